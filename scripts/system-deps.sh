@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# System packages the test suite needs (a real Slurm for tests/slurm). Installs them with apt
+# when running as root and they are missing; otherwise says what the slurm tests will do.
+set -euo pipefail
+need=()
+command -v slurmctld >/dev/null 2>&1 || need+=(slurmctld)
+command -v slurmd >/dev/null 2>&1 || need+=(slurmd)
+command -v sbatch >/dev/null 2>&1 || need+=(slurm-client)
+command -v munged >/dev/null 2>&1 || need+=(munge)
+if [ ${#need[@]} -eq 0 ]; then
+  exit 0
+fi
+if [ "$(id -u)" -ne 0 ]; then
+  echo "system-deps: not root; missing ${need[*]} (the Slurm tests will say so)" >&2
+  exit 0
+fi
+export DEBIAN_FRONTEND=noninteractive
+apt-get update -qq
+apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null

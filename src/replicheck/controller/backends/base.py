@@ -1,0 +1,74 @@
+"""The interface between the executor and a cluster. Every call is keyed and must be
+idempotent: a backend observes before it acts, so repeating a call whose result was lost
+(controller killed mid-action) does not repeat the side effect."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Protocol, Sequence
+
+from replicheck.controller.errors import PermanentBackendError
+
+_NODE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def validate_node_name(name: str) -> str:
+    """Return ``name`` if it is one plain node name; hostlist expressions and options are refused."""
+    if not isinstance(name, str) or not _NODE_NAME.match(name):
+        raise PermanentBackendError(f"refusing invalid node name {name!r}")
+    return name
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """One node as the backend reports it."""
+
+    name: str
+    state: str
+    """Backend state word (idle, allocated, drained, fail, ...)."""
+    reason: str = ""
+    partitions: tuple[str, ...] = ()
+    schedulable: bool = True
+    """Whether new work may start on it."""
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ResumeRequest:
+    """What resuming a job needs: which job, from where, avoiding which nodes."""
+
+    incident_id: str
+    job_id: str
+    checkpoint: Mapping[str, Any] | None
+    """``{"step": int, "path": str}`` or None (the job picks its newest checkpoint)."""
+    exclude: tuple[str, ...]
+    """Nodes the resumed job must not use (replaced nodes not back yet)."""
+
+
+class Backend(Protocol):
+    """What the executor needs from a cluster. ``key`` is the action's idempotency key."""
+
+    name: str
+
+    def cordon(self, node: str, reason: str, key: str) -> Mapping[str, Any]: ...
+
+    def uncordon(self, node: str, reason_prefix: str, key: str) -> Mapping[str, Any]: ...
+
+    def selftest(self, node: str, key: str) -> Mapping[str, Any]:
+        """Run the known-answer self-test pinned to ``node``: ``{"passed": bool, "detail": str}``."""
+        ...
+
+    def replace(self, node: str, key: str) -> Mapping[str, Any]: ...
+
+    def await_return(self, node: str, key: str) -> Mapping[str, Any]:
+        """``{"back": bool, "replacement": name|None}``; raise NotYet while still away."""
+        ...
+
+    def resume(self, request: ResumeRequest, key: str) -> Mapping[str, Any]: ...
+
+    def schedulable_by_partition(self, node: str) -> Mapping[str, Sequence[str]]:
+        """For each partition containing ``node``: its currently schedulable nodes."""
+        ...
+
+    def list_nodes(self) -> list[NodeInfo]: ...

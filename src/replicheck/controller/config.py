@@ -1,0 +1,112 @@
+"""Controller configuration: a frozen, validated dataclass, loadable from a TOML file."""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any, Mapping
+
+from replicheck.controller.errors import ConfigError
+
+
+@dataclass(frozen=True, kw_only=True)
+class ControllerConfig:
+    """How the controller acts. Defaults are the safe ones: dry-run, human approval."""
+
+    apply: bool = False
+    """Perform destructive actions (cordon, uncordon, replace, resume). False = dry-run."""
+    auto_approve: bool = False
+    """Replace without a recorded human approval (the operator opted into automatic recovery)."""
+    triage: bool = True
+    """Run the known-answer self-test on the suspects of ambiguous or transient incidents."""
+    max_replacements: int = 1
+    """At most this many node replacements within ``replacement_window_s`` (blast radius)."""
+    replacement_window_s: float = 86400.0
+    """Length of the sliding window for ``max_replacements``, in seconds."""
+    retry_max_attempts: int = 5
+    """Attempts of one action on temporary backend errors before the incident is failed."""
+    retry_base_delay_s: float = 2.0
+    """First retry delay; doubled on each further attempt."""
+    retry_max_delay_s: float = 60.0
+    """Upper bound of the retry delay."""
+    return_poll_s: float = 5.0
+    """How often to check whether a replaced node is back."""
+    return_timeout_s: float = 3600.0
+    """Resume without a replaced node (keeping it excluded) if it is not back after this long."""
+    poll_interval_s: float = 5.0
+    """Pause between two reconcile passes of ``controller run``."""
+    incident_dirs: tuple[str, ...] = ()
+    """Directories watched for incident files (the jobs' ``incident_dir``)."""
+    drain_reason: str = "replicheck: suspected silent data corruption"
+    """Reason recorded when cordoning; uncordon only touches nodes drained with this prefix."""
+    actor: str = "controller"
+    """Name recorded in the audit log for the controller's own actions."""
+
+    def __post_init__(self) -> None:
+        if self.max_replacements < 0:
+            raise ConfigError("max_replacements must be >= 0")
+        if self.retry_max_attempts < 1:
+            raise ConfigError("retry_max_attempts must be >= 1")
+        for name in ("replacement_window_s", "retry_base_delay_s", "retry_max_delay_s",
+                     "return_poll_s", "return_timeout_s", "poll_interval_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+                raise ConfigError(f"{name} must be a non-negative number, got {value!r}")
+        if not self.drain_reason.strip():
+            raise ConfigError("drain_reason must not be empty")
+        if not isinstance(self.incident_dirs, tuple):
+            raise ConfigError("incident_dirs must be a tuple of paths")
+
+    def with_overrides(self, **changes: Any) -> ControllerConfig:
+        """A copy with the non-None ``changes`` applied (used for command-line flags)."""
+        return replace(self, **{k: v for k, v in changes.items() if v is not None})
+
+
+def config_from_mapping(data: Mapping[str, Any], cls: type[Any] = ControllerConfig) -> Any:
+    """Build ``cls`` from a mapping, rejecting unknown keys and wrong types with ConfigError."""
+    known = {f.name: f for f in fields(cls)}
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise ConfigError(f"unknown {cls.__name__} key(s): {', '.join(unknown)}")
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        default = getattr(cls(), key) if key in known else None
+        if isinstance(default, tuple):
+            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+                raise ConfigError(f"{key} must be a list of strings")
+            value = tuple(value)
+        elif isinstance(default, bool):
+            if not isinstance(value, bool):
+                raise ConfigError(f"{key} must be true or false, got {value!r}")
+        elif isinstance(default, (int, float)) and not isinstance(default, bool):
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                raise ConfigError(f"{key} must be a number, got {value!r}")
+        elif isinstance(default, str) or default is None:
+            if value is not None and not isinstance(value, (str, list)):
+                raise ConfigError(f"{key} has the wrong type: {value!r}")
+            if isinstance(value, list):
+                value = tuple(str(v) for v in value)
+        kwargs[key] = value
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:
+        raise ConfigError(str(exc)) from exc
+
+
+def load_config_file(path: str | Path) -> dict[str, Any]:
+    """Read a TOML config file: ``[controller]`` and optional ``[slurm]`` tables."""
+    p = Path(path)
+    try:
+        data = tomllib.loads(p.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"{p}: cannot read config: {exc}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{p}: invalid TOML: {exc}") from exc
+    unknown = sorted(set(data) - {"controller", "slurm", "local"})
+    if unknown:
+        raise ConfigError(f"{p}: unknown section(s): {', '.join(unknown)}")
+    for key, value in data.items():
+        if not isinstance(value, dict):
+            raise ConfigError(f"{p}: [{key}] must be a table")
+    return data

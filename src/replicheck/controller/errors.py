@@ -1,0 +1,40 @@
+"""Typed errors of the controller. Backends raise the two BackendError kinds; the executor
+turns them into retries (transient) or a ``failed`` incident (permanent)."""
+
+from __future__ import annotations
+
+
+class ControllerError(Exception):
+    """Base of every error the controller reports to a user (never a stack trace)."""
+
+
+class ConfigError(ControllerError):
+    """The controller configuration (file, flags or arguments) is invalid."""
+
+
+class StoreError(ControllerError):
+    """The SQLite store cannot be opened or has a schema this build does not understand."""
+
+
+class UnknownIncidentError(ControllerError):
+    """No incident with the given id is in the store."""
+
+
+class InvalidTransitionError(ControllerError):
+    """An operator command does not apply to the incident's current state."""
+
+
+class BackendError(ControllerError):
+    """A backend call did not succeed."""
+
+
+class TransientBackendError(BackendError):
+    """A failure worth retrying (scheduler unreachable, timeout, busy)."""
+
+
+class PermanentBackendError(BackendError):
+    """A failure that retrying cannot fix (unknown node, invalid name, command missing)."""
+
+
+class NotYet(Exception):
+    """An awaited condition (a replaced node coming back) does not hold yet; poll again later."""

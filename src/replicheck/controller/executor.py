@@ -1,0 +1,105 @@
+"""The thin executor: performs one stored action through the backend and says what happened.
+
+Before the call the action is committed as ``in_flight``; a controller killed during the call
+finds it still in flight on restart and calls again, which is safe because backends observe
+before they act. Temporary errors are retried with exponential backoff; permanent ones (or
+running out of attempts) become ``ActionFailed``.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+from replicheck.controller.backends.base import Backend, ResumeRequest
+from replicheck.controller.config import ControllerConfig
+from replicheck.controller.errors import NotYet, PermanentBackendError, TransientBackendError
+from replicheck.controller.model import DESTRUCTIVE, ActionDone, ActionFailed, ActionKind
+from replicheck.controller.policy import cordon_refusal, retry_delay
+from replicheck.controller.store import ActionRow, Store
+
+DRY_RUN_NOTE = "dry-run: not performed (pass --apply or set apply = true)"
+
+
+@dataclass(frozen=True)
+class Deferred:
+    """The action goes back to pending; ``note`` says why (retry, polling, dry-run)."""
+
+    note: str
+    next_at: str
+    counted: bool
+    """Whether this attempt counts towards retry_max_attempts (only real errors do)."""
+
+
+Outcome = ActionDone | ActionFailed | Deferred
+
+
+class Executor:
+    """Performs actions; owns no state beyond its collaborators."""
+
+    def __init__(self, store: Store, backend: Backend, config: ControllerConfig,
+                 clock: Callable[[], _dt.datetime]) -> None:
+        self._store = store
+        self._backend = backend
+        self._config = config
+        self._clock = clock
+
+    def perform(self, row: ActionRow) -> Outcome:
+        now = self._clock()
+        if row.kind in DESTRUCTIVE and not self._config.apply:
+            return Deferred(DRY_RUN_NOTE, _iso(now + _seconds(self._config.poll_interval_s)), counted=False)
+        with self._store.transaction():
+            self._store.start_attempt(row.key, _iso(now))
+        attempts = row.attempts + 1
+        try:
+            result = self._call(row)
+        except NotYet as exc:
+            deadline = row.params.get("deadline")
+            if deadline and _iso(self._clock()) >= str(deadline):
+                return ActionDone(row.key, row.kind, row.node,
+                                  {"back": False, "replacement": None, "detail": f"not back by {deadline}"})
+            return Deferred(f"waiting: {exc}", _iso(now + _seconds(self._config.return_poll_s)), counted=False)
+        except PermanentBackendError as exc:
+            return ActionFailed(row.key, row.kind, row.node, str(exc))
+        except (TransientBackendError, OSError) as exc:
+            if attempts >= self._config.retry_max_attempts:
+                return ActionFailed(row.key, row.kind, row.node,
+                                    f"gave up after {attempts} attempts: {exc}")
+            delay = retry_delay(attempts, self._config.retry_base_delay_s, self._config.retry_max_delay_s)
+            note = f"attempt {attempts} failed ({exc}); retrying in {delay:g}s"
+            return Deferred(note, _iso(now + _seconds(delay)), counted=True)
+        return ActionDone(row.key, row.kind, row.node, result)
+
+    def _call(self, row: ActionRow) -> Mapping[str, Any]:
+        b, node, key = self._backend, row.node, row.key
+        if row.kind is ActionKind.RESUME:
+            checkpoint = row.params.get("checkpoint")
+            request = ResumeRequest(row.incident_id, str(row.params["job_id"]), checkpoint,
+                                    tuple(row.params.get("exclude", ())))
+            return b.resume(request, key)
+        if node is None:
+            raise PermanentBackendError(f"action {key} names no node")
+        if row.kind is ActionKind.CORDON:
+            refusal = cordon_refusal(node, b.schedulable_by_partition(node))
+            if refusal is not None:
+                return {"skipped": refusal}
+            return b.cordon(node, self._config.drain_reason, key)
+        if row.kind is ActionKind.UNCORDON:
+            held = self._store.nodes_held(row.incident_id)
+            if node in held:
+                return {"detail": f"{node} stays cordoned: another open incident holds it"}
+            return b.uncordon(node, self._config.drain_reason, key)
+        if row.kind is ActionKind.SELFTEST:
+            return b.selftest(node, key)
+        if row.kind is ActionKind.REPLACE:
+            return b.replace(node, key)
+        return b.await_return(node, key)
+
+
+def _seconds(s: float) -> _dt.timedelta:
+    return _dt.timedelta(seconds=s)
+
+
+def _iso(t: _dt.datetime) -> str:
+    return t.astimezone(_dt.timezone.utc).isoformat(timespec="microseconds")

@@ -1,0 +1,253 @@
+"""The incident state machine as pure functions: ``transition(record, event) -> Step``.
+
+No I/O and no clock: every fact a decision needs arrives in the event. Operator events
+(approve, dismiss) in the wrong state raise InvalidTransitionError; action results only
+update the record; phase changes happen on ``Tick`` once no action is outstanding, so each
+state change is one visible transition.
+"""
+
+from __future__ import annotations
+
+from replicheck.controller.errors import InvalidTransitionError
+from replicheck.controller.model import (
+    DISMISSABLE,
+    Action,
+    ActionDone,
+    ActionFailed,
+    ActionKind,
+    Approved,
+    Dismissed,
+    Event,
+    Record,
+    State,
+    Step,
+    Tick,
+    TriageResult,
+    action_key,
+)
+from replicheck.incident import Incident
+
+NEEDS_TRIAGE = frozenset({"ambiguous", "transient"})
+
+
+def initial_record(incident: Incident) -> Record:
+    """The record of a newly ingested incident: the nodes to act on, in first-seen order."""
+    names = list(incident.suspect_nodes)
+    names += [s.node.name for s in incident.suspects]
+    if not names:
+        names += [c.node.name for c in incident.candidates]
+    targets = tuple(dict.fromkeys(names))
+    checkpoint = dict(incident.recommended_checkpoint) if incident.recommended_checkpoint else None
+    return Record(
+        incident_id=incident.id,
+        job_id=incident.job_id,
+        classification=incident.classification,
+        targets=targets,
+        checkpoint=checkpoint,
+        reason=f"{incident.classification} incident at step {incident.step} ({incident.check})",
+    )
+
+
+def transition(record: Record, event: Event) -> Step:
+    """Apply one event. Pure: the same inputs always give the same Step."""
+    if isinstance(event, ActionDone):
+        return Step(_record_outcome(record, event))
+    if isinstance(event, ActionFailed):
+        return _on_failure(record, event)
+    if isinstance(event, Approved):
+        return _on_approved(record, event)
+    if isinstance(event, Dismissed):
+        return _on_dismissed(record, event)
+    return _on_tick(record, event)
+
+
+def _action(record: Record, kind: ActionKind, node: str | None, **params: object) -> Action:
+    target = node if node is not None else record.job_id
+    return Action(action_key(record.incident_id, kind, target), record.incident_id, kind, node, params)
+
+
+def _kind_of(key: str) -> tuple[ActionKind, str]:
+    # Keys are "<incident>:<kind>:<target>"; incident ids may contain ':' so split from the right.
+    _, kind, target = key.rsplit(":", 2)
+    return ActionKind(kind), target
+
+
+def _record_outcome(record: Record, event: ActionDone) -> Record:
+    outstanding = tuple(k for k in record.outstanding if k != event.key)
+    r = record.evolve(outstanding=outstanding)
+    node, outcome = event.node, event.outcome
+    if event.kind is ActionKind.CORDON and node is not None:
+        if outcome.get("skipped"):
+            if node not in dict(r.cordon_skipped):
+                r = r.evolve(cordon_skipped=r.cordon_skipped + ((node, str(outcome["skipped"])),))
+        elif node not in r.cordoned:
+            r = r.evolve(cordoned=r.cordoned + (node,))
+    elif event.kind is ActionKind.UNCORDON and node is not None:
+        r = r.evolve(cordoned=tuple(n for n in r.cordoned if n != node))
+    elif event.kind is ActionKind.SELFTEST and node is not None:
+        if all(t.node != node for t in r.triage):
+            result = TriageResult(node, bool(outcome.get("passed")), str(outcome.get("detail", "")))
+            r = r.evolve(triage=r.triage + (result,))
+    elif event.kind is ActionKind.REPLACE and node is not None:
+        if node not in r.replaced:
+            r = r.evolve(replaced=r.replaced + (node,))
+    elif event.kind is ActionKind.AWAIT_RETURN and node is not None:
+        if all(n != node for n, _, _ in r.returned):
+            repl = outcome.get("replacement")
+            entry = (node, bool(outcome.get("back")), None if repl is None else str(repl))
+            r = r.evolve(returned=r.returned + (entry,))
+    elif event.kind is ActionKind.RESUME:
+        r = r.evolve(resume=dict(outcome))
+    return r
+
+
+def _on_failure(record: Record, event: ActionFailed) -> Step:
+    if event.key not in record.outstanding:
+        # A side action (releasing a cleared node) failed: note it, the incident goes on.
+        return Step(record.evolve(reason=f"{event.kind.value} {event.node} failed: {event.reason}"))
+    others = tuple(k for k in record.outstanding if k != event.key)
+    what = f"{event.kind.value} {event.node or record.job_id}"
+    failed = record.evolve(
+        state=State.FAILED, outstanding=(), reason=f"{what} failed: {event.reason}",
+        cordoned=_with_pending_cordons(record, others),
+    )
+    return Step(failed, cancel=others)
+
+
+def _with_pending_cordons(record: Record, keys: tuple[str, ...]) -> tuple[str, ...]:
+    # A cordon that was in flight may have happened; count it so a later dismissal undoes it.
+    pending = [t for k in keys for kind, t in [_kind_of(k)] if kind is ActionKind.CORDON]
+    return tuple(dict.fromkeys(record.cordoned + tuple(pending)))
+
+
+def _on_approved(record: Record, event: Approved) -> Step:
+    if record.state is not State.AWAITING_APPROVAL:
+        raise InvalidTransitionError(
+            f"incident {record.incident_id} is {record.state.value}; only awaiting_approval can be approved"
+        )
+    return Step(record.evolve(
+        state=State.APPROVED, approved_by=event.by, approved_at=event.at,
+        reason=f"approved by {event.by}",
+    ))
+
+
+def _on_dismissed(record: Record, event: Dismissed) -> Step:
+    if record.state not in DISMISSABLE:
+        raise InvalidTransitionError(
+            f"incident {record.incident_id} is {record.state.value}; it can no longer be dismissed"
+        )
+    return Step(
+        record.evolve(
+            state=State.DISMISSED, dismissed_by=event.by, dismissed_at=event.at, outstanding=(),
+            cordoned=_with_pending_cordons(record, record.outstanding),
+            reason=f"dismissed by {event.by}",
+        ),
+        cancel=record.outstanding,
+    )
+
+
+def _on_tick(record: Record, tick: Tick) -> Step:
+    if record.outstanding:
+        return Step(record)
+    state = record.state
+    if state is State.DETECTED:
+        todo = [t for t in record.targets if t not in record.cordoned and t not in dict(record.cordon_skipped)]
+        if todo:
+            return _wait(record, tuple(_action(record, ActionKind.CORDON, n) for n in todo),
+                         f"cordoning {', '.join(todo)}")
+        return _move(record, State.CORDONED, _cordon_summary(record))
+    if state is State.CORDONED:
+        if tick.triage and record.classification in NEEDS_TRIAGE and record.targets:
+            actions = tuple(_action(record, ActionKind.SELFTEST, n) for n in record.targets)
+            return _move(record, State.TRIAGING, f"{record.classification}: self-test on "
+                         f"{', '.join(record.targets)}", actions)
+        return _move(record, State.AWAITING_APPROVAL, "waiting for a person to approve replacement")
+    if state is State.TRIAGING:
+        return _after_triage(record)
+    if state is State.AWAITING_APPROVAL:
+        if tick.auto_approve:
+            return _move(record.evolve(approved_by="auto-approve", approved_at=tick.now),
+                         State.APPROVED, "approved automatically (auto_approve is on)")
+        return Step(record)
+    if state is State.APPROVED:
+        return _start_replacement(record, tick)
+    if state is State.REPLACING:
+        back = {n for n, _, _ in record.returned}
+        waiting = [n for n in record.replaced if n not in back]
+        if waiting:
+            actions = tuple(_action(record, ActionKind.AWAIT_RETURN, n, deadline=tick.return_deadline)
+                            for n in waiting)
+            return _wait(record, actions, f"waiting for {', '.join(waiting)} to come back")
+        return _move(record, State.REPLACED, _return_summary(record))
+    if state is State.REPLACED:
+        if record.resume is None:
+            exclude = [n for n, is_back, _ in record.returned if not is_back]
+            action = _action(record, ActionKind.RESUME, None, job_id=record.job_id,
+                             checkpoint=record.checkpoint, exclude=exclude)
+            return _wait(record, (action,), f"resuming job {record.job_id}")
+        return _move(record, State.RESUMED, f"job {record.job_id} resumed: {_resume_summary(record)}")
+    if state is State.DISMISSED:
+        if record.cordoned:
+            actions = tuple(_action(record, ActionKind.UNCORDON, n) for n in record.cordoned)
+            return _wait(record, actions, f"uncordoning {', '.join(record.cordoned)}")
+        return _move(record, State.UNCORDONED, "dismissed; no node left cordoned by this incident")
+    return Step(record)
+
+
+def _wait(record: Record, actions: tuple[Action, ...], reason: str) -> Step:
+    return Step(record.evolve(outstanding=tuple(a.key for a in actions), reason=reason), actions)
+
+
+def _move(record: Record, to: State, reason: str, actions: tuple[Action, ...] = ()) -> Step:
+    r = record.evolve(state=to, reason=reason, outstanding=tuple(a.key for a in actions))
+    return Step(r, actions)
+
+
+def _cordon_summary(record: Record) -> str:
+    parts = []
+    if record.cordoned:
+        parts.append(f"cordoned {', '.join(record.cordoned)}")
+    parts += [f"not cordoned {n}: {why}" for n, why in record.cordon_skipped]
+    return "; ".join(parts) or "no node named; nothing to cordon"
+
+
+def _after_triage(record: Record) -> Step:
+    failing = tuple(t.node for t in record.triage if not t.passed)
+    summary = "; ".join(f"{t.node} {'passed' if t.passed else 'FAILED'} self-test ({t.detail})"
+                        for t in record.triage)
+    if record.classification == "ambiguous" and failing:
+        # The self-test told the candidates apart: act on the failing ones, free the rest.
+        cleared = tuple(n for n in record.cordoned if n not in failing)
+        actions = tuple(_action(record, ActionKind.UNCORDON, n) for n in cleared)
+        r = record.evolve(targets=tuple(n for n in record.targets if n in failing),
+                          state=State.AWAITING_APPROVAL, reason=f"triage: {summary}")
+        return Step(r, actions)
+    hint = "" if failing else "; no node failed the self-test (consider dismissing)"
+    return _move(record, State.AWAITING_APPROVAL, f"triage: {summary}{hint}")
+
+
+def _start_replacement(record: Record, tick: Tick) -> Step:
+    if not record.targets:
+        return _move(record, State.REPLACED, "nothing to replace (no node named)")
+    needed = len(record.targets)
+    if tick.replacements_in_window + needed > tick.max_replacements:
+        reason = (f"blast radius: {tick.replacements_in_window} replacement(s) in the window, "
+                  f"{needed} more would exceed the limit of {tick.max_replacements}; waiting")
+        return Step(record if record.reason == reason else record.evolve(reason=reason))
+    actions = tuple(_action(record, ActionKind.REPLACE, n) for n in record.targets)
+    return _move(record, State.REPLACING, f"replacing {', '.join(record.targets)}", actions)
+
+
+def _return_summary(record: Record) -> str:
+    parts = []
+    for node, back, repl in record.returned:
+        if back:
+            parts.append(f"{node} is back")
+        else:
+            parts.append(f"{node} replaced by {repl}" if repl else f"{node} not back (excluded)")
+    return "; ".join(parts)
+
+
+def _resume_summary(record: Record) -> str:
+    r = record.resume or {}
+    return str(r.get("detail") or r)

@@ -1,0 +1,351 @@
+"""The controller's SQLite store (WAL): incidents, their records, keyed actions, the
+append-only audit log and rejected inputs. Versioned with ``PRAGMA user_version`` and
+forward-only migrations; a database newer than this build is refused, not guessed at."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import sqlite3
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Mapping, Sequence
+
+from replicheck.controller.errors import StoreError, UnknownIncidentError
+from replicheck.controller.model import Action, ActionKind, Record, State
+from replicheck.incident import Incident, IncidentFormatError
+
+MIGRATIONS: tuple[str, ...] = (
+    # 1: the core tables.
+    """
+    CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+    CREATE TABLE incidents (
+        id TEXT PRIMARY KEY, job_id TEXT NOT NULL, body TEXT NOT NULL, source TEXT NOT NULL,
+        first_seen TEXT NOT NULL, last_seen TEXT NOT NULL, deliveries INTEGER NOT NULL);
+    CREATE TABLE records (
+        incident_id TEXT PRIMARY KEY REFERENCES incidents(id), state TEXT NOT NULL,
+        data TEXT NOT NULL, updated_at TEXT NOT NULL);
+    CREATE INDEX records_state ON records(state);
+    CREATE TABLE actions (
+        key TEXT PRIMARY KEY, incident_id TEXT NOT NULL REFERENCES incidents(id),
+        kind TEXT NOT NULL, node TEXT, params TEXT NOT NULL, status TEXT NOT NULL,
+        attempts INTEGER NOT NULL DEFAULT 0, next_attempt_at TEXT NOT NULL, last_error TEXT,
+        result TEXT, created_at TEXT NOT NULL, started_at TEXT, finished_at TEXT);
+    CREATE TABLE audit (
+        id INTEGER PRIMARY KEY AUTOINCREMENT, at TEXT NOT NULL, actor TEXT NOT NULL,
+        incident_id TEXT, what TEXT NOT NULL, outcome TEXT NOT NULL);
+    CREATE TRIGGER audit_no_update BEFORE UPDATE ON audit
+        BEGIN SELECT RAISE(ABORT, 'the audit log is append-only'); END;
+    CREATE TRIGGER audit_no_delete BEFORE DELETE ON audit
+        BEGIN SELECT RAISE(ABORT, 'the audit log is append-only'); END;
+    CREATE TABLE rejected (
+        id INTEGER PRIMARY KEY AUTOINCREMENT, source TEXT NOT NULL, digest TEXT NOT NULL,
+        reason TEXT NOT NULL, content BLOB NOT NULL, at TEXT NOT NULL, UNIQUE (source, digest));
+    """,
+    # 2: remember which incident files were read, so a watched directory is not re-parsed.
+    """
+    CREATE TABLE seen_files (
+        path TEXT PRIMARY KEY, mtime_ns INTEGER NOT NULL, size INTEGER NOT NULL);
+    CREATE INDEX actions_due ON actions(status, next_attempt_at);
+    """,
+)
+SCHEMA_VERSION = len(MIGRATIONS)
+
+ACTIVE = ("pending", "in_flight")
+
+
+@dataclass(frozen=True)
+class ActionRow:
+    """An action as stored, with its execution bookkeeping."""
+
+    key: str
+    incident_id: str
+    kind: ActionKind
+    node: str | None
+    params: Mapping[str, Any]
+    status: str
+    """pending, in_flight (started, result not recorded), done, failed, cancelled."""
+    attempts: int
+    next_attempt_at: str
+    last_error: str | None
+    result: Mapping[str, Any] | None
+
+
+@dataclass(frozen=True)
+class AuditRow:
+    """One audit log entry."""
+
+    id: int
+    at: str
+    actor: str
+    incident_id: str | None
+    what: str
+    outcome: str
+
+
+@dataclass(frozen=True)
+class IncidentRow:
+    """A stored incident with its delivery bookkeeping."""
+
+    incident: Incident
+    source: str
+    first_seen: str
+    deliveries: int
+
+
+class Store:
+    """One connection to the controller database. Not thread-safe; one per process."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._db = sqlite3.connect(str(self.path), timeout=30.0, isolation_level=None)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=FULL")
+            self._db.execute("PRAGMA foreign_keys=ON")
+        except (sqlite3.Error, OSError) as exc:
+            raise StoreError(f"{self.path}: cannot open the controller database: {exc}") from exc
+        self._depth = 0
+        self._migrate()
+
+    def close(self) -> None:
+        self._db.close()
+
+    @property
+    def connection(self) -> sqlite3.Connection:
+        """The raw connection (the local backend keeps its simulated cluster in the same file)."""
+        return self._db
+
+    # --- schema -----------------------------------------------------------------------------
+
+    def _migrate(self) -> None:
+        try:
+            version = self._db.execute("PRAGMA user_version").fetchone()[0]
+            if version > SCHEMA_VERSION:
+                raise StoreError(
+                    f"{self.path}: database schema version {version} is newer than this build "
+                    f"understands ({SCHEMA_VERSION}); upgrade replicheck"
+                )
+            for number in range(version, SCHEMA_VERSION):
+                with self.transaction():
+                    for statement in _statements(MIGRATIONS[number]):
+                        self._db.execute(statement)
+                    self._db.execute(f"PRAGMA user_version={number + 1}")
+        except sqlite3.DatabaseError as exc:
+            raise StoreError(f"{self.path}: not a usable controller database: {exc}") from exc
+
+    def schema_version(self) -> int:
+        return int(self._db.execute("PRAGMA user_version").fetchone()[0])
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[None]:
+        """BEGIN IMMEDIATE ... COMMIT; nested uses join the outer transaction."""
+        if self._depth:
+            self._depth += 1
+            try:
+                yield
+            finally:
+                self._depth -= 1
+            return
+        self._db.execute("BEGIN IMMEDIATE")
+        self._depth = 1
+        try:
+            yield
+        except BaseException:
+            self._depth = 0
+            self._db.execute("ROLLBACK")
+            raise
+        self._depth = 0
+        self._db.execute("COMMIT")
+
+    # --- meta -------------------------------------------------------------------------------
+
+    def get_meta(self, key: str) -> str | None:
+        row = self._db.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()
+        return None if row is None else str(row[0])
+
+    def set_meta(self, key: str, value: str) -> None:
+        self._db.execute("INSERT INTO meta(key, value) VALUES(?, ?) ON CONFLICT(key) DO UPDATE "
+                         "SET value=excluded.value", (key, value))
+
+    # --- incidents and records --------------------------------------------------------------
+
+    def add_incident(self, incident: Incident, source: str, now: str) -> tuple[bool, bool]:
+        """Store ``incident`` or merge it into the stored one with the same id.
+
+        Returns (new, differs): ``differs`` is True for a duplicate whose content is not
+        identical to the first copy (kept as the first copy; the caller audits it).
+        """
+        body = incident.to_json()
+        with self.transaction():
+            row = self._db.execute("SELECT body FROM incidents WHERE id=?", (incident.id,)).fetchone()
+            if row is None:
+                self._db.execute(
+                    "INSERT INTO incidents(id, job_id, body, source, first_seen, last_seen, deliveries)"
+                    " VALUES(?, ?, ?, ?, ?, ?, 1)", (incident.id, incident.job_id, body, source, now, now))
+                return True, False
+            self._db.execute("UPDATE incidents SET deliveries=deliveries+1, last_seen=? WHERE id=?",
+                             (now, incident.id))
+            return False, _comparable(row[0]) != _comparable(body)
+
+    def get_incident(self, incident_id: str) -> IncidentRow:
+        row = self._db.execute("SELECT body, source, first_seen, deliveries FROM incidents WHERE id=?",
+                               (incident_id,)).fetchone()
+        if row is None:
+            raise UnknownIncidentError(f"no incident {incident_id!r} in {self.path}")
+        try:
+            incident = Incident.from_json(row[0])
+        except IncidentFormatError as exc:  # pragma: no cover - we only store validated records
+            raise StoreError(f"stored incident {incident_id!r} is unreadable: {exc}") from exc
+        return IncidentRow(incident, row[1], row[2], int(row[3]))
+
+    def save_record(self, record: Record, now: str) -> None:
+        self._db.execute(
+            "INSERT INTO records(incident_id, state, data, updated_at) VALUES(?, ?, ?, ?) "
+            "ON CONFLICT(incident_id) DO UPDATE SET state=excluded.state, data=excluded.data, "
+            "updated_at=excluded.updated_at", (record.incident_id, record.state.value, record.to_json(), now))
+
+    def get_record(self, incident_id: str) -> Record:
+        row = self._db.execute("SELECT data FROM records WHERE incident_id=?", (incident_id,)).fetchone()
+        if row is None:
+            raise UnknownIncidentError(f"no incident {incident_id!r} in {self.path}")
+        return Record.from_json(row[0])
+
+    def list_records(self, states: Sequence[State] | None = None) -> list[Record]:
+        rows = self._db.execute(
+            "SELECT r.data, r.state FROM records r JOIN incidents i ON i.id=r.incident_id "
+            "ORDER BY i.first_seen, r.incident_id").fetchall()
+        wanted = None if states is None else {s.value for s in states}
+        return [Record.from_json(d) for d, s in rows if wanted is None or s in wanted]
+
+    # --- actions ----------------------------------------------------------------------------
+
+    def add_actions(self, actions: Sequence[Action], now: str) -> None:
+        for a in actions:
+            self._db.execute(
+                "INSERT OR IGNORE INTO actions(key, incident_id, kind, node, params, status, "
+                "next_attempt_at, created_at) VALUES(?, ?, ?, ?, ?, 'pending', ?, ?)",
+                (a.key, a.incident_id, a.kind.value, a.node, json.dumps(dict(a.params), sort_keys=True),
+                 now, now))
+
+    def cancel_actions(self, keys: Sequence[str], now: str) -> None:
+        for key in keys:
+            self._db.execute("UPDATE actions SET status='cancelled', finished_at=? WHERE key=? "
+                             "AND status IN ('pending', 'in_flight')", (now, key))
+
+    def due_actions(self, now: str) -> list[ActionRow]:
+        rows = self._db.execute(
+            f"SELECT {_ACTION_COLS} FROM actions WHERE status IN ('pending', 'in_flight') "
+            "AND next_attempt_at <= ? ORDER BY created_at, key", (now,)).fetchall()
+        return [_action_row(r) for r in rows]
+
+    def actions(self, incident_id: str | None = None) -> list[ActionRow]:
+        sql = f"SELECT {_ACTION_COLS} FROM actions"
+        args: tuple[Any, ...] = ()
+        if incident_id is not None:
+            sql, args = sql + " WHERE incident_id=?", (incident_id,)
+        return [_action_row(r) for r in self._db.execute(sql + " ORDER BY created_at, key", args)]
+
+    def get_action(self, key: str) -> ActionRow | None:
+        row = self._db.execute(f"SELECT {_ACTION_COLS} FROM actions WHERE key=?", (key,)).fetchone()
+        return None if row is None else _action_row(row)
+
+    def start_attempt(self, key: str, now: str) -> None:
+        """Mark the action in flight before calling the backend (so a crash leaves it in doubt)."""
+        self._db.execute("UPDATE actions SET status='in_flight', attempts=attempts+1, started_at=? "
+                         "WHERE key=?", (now, key))
+
+    def finish_action(self, key: str, result: Mapping[str, Any], now: str) -> None:
+        self._db.execute("UPDATE actions SET status='done', result=?, last_error=NULL, finished_at=? "
+                         "WHERE key=?", (json.dumps(dict(result), sort_keys=True), now, key))
+
+    def fail_action(self, key: str, error: str, now: str) -> None:
+        self._db.execute("UPDATE actions SET status='failed', last_error=?, finished_at=? WHERE key=?",
+                         (error, now, key))
+
+    def defer_action(self, key: str, note: str, next_at: str, *, uncount: bool = False) -> None:
+        """Put the action back to pending until ``next_at``; ``uncount`` undoes the attempt count
+        (polling and dry-run are not failures)."""
+        self._db.execute(
+            "UPDATE actions SET status='pending', last_error=?, next_attempt_at=?, "
+            "attempts=attempts-? WHERE key=?", (note, next_at, 1 if uncount else 0, key))
+
+    def replacements_since(self, since: str) -> int:
+        """Replacements done since ``since`` plus those committed to but not finished."""
+        row = self._db.execute(
+            "SELECT COUNT(*) FROM actions WHERE kind='replace' AND (status IN ('pending', 'in_flight') "
+            "OR (status='done' AND finished_at >= ?))", (since,)).fetchone()
+        return int(row[0])
+
+    def nodes_held(self, exclude_incident: str) -> set[str]:
+        """Nodes still cordoned by other incidents that are not finished."""
+        held: set[str] = set()
+        for record in self.list_records():
+            if record.incident_id != exclude_incident and record.state not in (State.RESUMED, State.UNCORDONED):
+                held.update(record.cordoned)
+        return held
+
+    # --- audit, rejections, seen files ------------------------------------------------------
+
+    def audit(self, at: str, actor: str, what: str, outcome: str, incident_id: str | None = None) -> None:
+        self._db.execute("INSERT INTO audit(at, actor, incident_id, what, outcome) VALUES(?, ?, ?, ?, ?)",
+                         (at, actor, incident_id, what, outcome))
+
+    def audit_rows(self, incident_id: str | None = None) -> list[AuditRow]:
+        sql = "SELECT id, at, actor, incident_id, what, outcome FROM audit"
+        args: tuple[Any, ...] = ()
+        if incident_id is not None:
+            sql, args = sql + " WHERE incident_id=?", (incident_id,)
+        return [AuditRow(*r) for r in self._db.execute(sql + " ORDER BY id", args)]
+
+    def reject(self, source: str, reason: str, content: bytes, now: str) -> bool:
+        """Keep a rejected input for inspection; False if this exact content was already kept."""
+        digest = hashlib.sha256(content).hexdigest()
+        cur = self._db.execute("INSERT OR IGNORE INTO rejected(source, digest, reason, content, at) "
+                               "VALUES(?, ?, ?, ?, ?)", (source, digest, reason, content, now))
+        return cur.rowcount == 1
+
+    def rejected_rows(self) -> list[tuple[str, str, bytes, str]]:
+        """(source, reason, content, at) of every rejected input."""
+        return [(r[0], r[1], bytes(r[2]), r[3]) for r in
+                self._db.execute("SELECT source, reason, content, at FROM rejected ORDER BY id")]
+
+    def file_seen(self, path: str, mtime_ns: int, size: int) -> bool:
+        row = self._db.execute("SELECT mtime_ns, size FROM seen_files WHERE path=?", (path,)).fetchone()
+        return row is not None and (int(row[0]), int(row[1])) == (mtime_ns, size)
+
+    def mark_file_seen(self, path: str, mtime_ns: int, size: int) -> None:
+        self._db.execute("INSERT INTO seen_files(path, mtime_ns, size) VALUES(?, ?, ?) ON CONFLICT(path) "
+                         "DO UPDATE SET mtime_ns=excluded.mtime_ns, size=excluded.size", (path, mtime_ns, size))
+
+
+_ACTION_COLS = "key, incident_id, kind, node, params, status, attempts, next_attempt_at, last_error, result"
+
+
+def _action_row(r: Sequence[Any]) -> ActionRow:
+    return ActionRow(
+        key=r[0], incident_id=r[1], kind=ActionKind(r[2]), node=r[3], params=json.loads(r[4]),
+        status=r[5], attempts=int(r[6]), next_attempt_at=r[7], last_error=r[8],
+        result=None if r[9] is None else json.loads(r[9]),
+    )
+
+
+def _statements(script: str) -> list[str]:
+    # Split on ';' at the end of a line, keeping trigger bodies (which end in "END;") whole.
+    out, buf = [], []
+    for line in script.strip().splitlines():
+        buf.append(line)
+        text = "\n".join(buf).strip()
+        if text.endswith(";") and sqlite3.complete_statement(text):
+            out.append(text)
+            buf = []
+    return out
+
+
+def _comparable(body: str) -> str:
+    # Ranks may write their copies at slightly different times; the time is not the content.
+    data = json.loads(body)
+    data.pop("time", None)
+    return json.dumps(data, sort_keys=True)

@@ -1,0 +1,174 @@
+"""Fingerprints of tensors: exact 64-bit digests and tolerant sketches.
+
+Both stream over the tensor's memory once or twice on its own device, without a full-size
+temporary, and return tensors (no host synchronisation) so many can be gathered in one
+collective.
+
+* :func:`digest` — the raw bits viewed as 64-bit words, summed in rows of 16 words; the row
+  sums and the column sums are weighted by position (so a swap of two values shows), and mixed
+  with the element count. Two tensors with equal bits always have equal digests; a change of any
+  single bit always changes it.
+* :func:`sketch` — the L2 norm and ``k`` projections on ±1 sign vectors built as the outer
+  product of a seeded row-sign and column-sign matrix (nothing of the tensor's size is stored).
+  Compared with :func:`sketch_distance`, which scales every difference by the tensor's norm.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+_ROW = 16
+# Odd 64-bit multipliers (golden-ratio and splitmix constants) spread positions over the word.
+_K_ROW = -7046029254386353131  # 0x9E3779B97F4A7C15 as signed int64
+_K_COL = 3394490528163516939  # 0xBF58476D1CE4E5B9 >> 1, doubled where used
+_K_TAIL = -7723592293110705685  # 0x94D049BB133111EB
+_NONE_DIGEST = 0x5EED_0000_0000_0001
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+def _wrap(v: int) -> int:
+    """``v`` reduced to a signed 64-bit value (the arithmetic the digests use)."""
+    v &= 0xFFFF_FFFF_FFFF_FFFF
+    return v - (1 << 64) if v >= 1 << 63 else v
+
+
+_weight_cache: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _row_weights(m: int, device: torch.device) -> torch.Tensor:
+    key = (m, device)
+    w = _weight_cache.get(key)
+    if w is None:
+        if len(_weight_cache) > 256:
+            _weight_cache.clear()
+        w = (torch.arange(1, m + 1, dtype=torch.int64, device=device) * _K_ROW) | 1
+        _weight_cache[key] = w
+    return w
+
+
+def _words(t: torch.Tensor, fold_zero: bool) -> torch.Tensor:
+    """The tensor's bits as a flat integer tensor (int64 words where the layout allows)."""
+    flat = t.detach().reshape(-1)
+    if fold_zero and flat.is_floating_point():
+        # -0.0 + 0.0 == +0.0 and every other value is unchanged: equal numbers, equal digests.
+        flat = flat + 0.0
+    if flat.dtype == torch.bool:
+        flat = flat.to(torch.uint8)
+    size = flat.element_size()
+    ints = flat.view(_INT_OF_SIZE[size]) if flat.dtype.is_floating_point or size != 8 else flat
+    if flat.is_complex():
+        ints = torch.view_as_real(flat).reshape(-1).view(_INT_OF_SIZE[size // 2])
+    per_word = 8 // ints.element_size()
+    if per_word > 1 and ints.numel() % per_word == 0 and ints.storage_offset() % per_word == 0:
+        return ints.view(torch.int64)
+    return ints
+
+
+def digest(t: torch.Tensor | None, *, fold_zero: bool = False) -> torch.Tensor:
+    """Exact, position-weighted 64-bit digest of ``t``'s bits as a 0-dim int64 tensor.
+
+    ``None`` (an unused parameter's gradient) has its own constant digest. ``fold_zero`` maps
+    -0.0 to +0.0 first (one temporary the size of ``t``), for values produced by different code
+    paths that may differ only in the sign of zero.
+    """
+    if t is None:
+        return torch.tensor(_NONE_DIGEST, dtype=torch.int64)
+    words = _words(t, fold_zero)
+    n = words.numel()
+    m = n // _ROW
+    wide = torch.int64
+    total = torch.tensor(_wrap(n * _K_TAIL), dtype=wide, device=words.device)
+    if m:
+        block = words[: m * _ROW].view(m, _ROW)
+        rows = block.sum(dim=1, dtype=wide)
+        cols = block.sum(dim=0, dtype=wide)
+        total = total + (rows * _row_weights(m, words.device)).sum()
+        # Even column weights: a change of bit 63 then shows in the row term alone and cannot
+        # cancel against the column term.
+        total = total + (cols * _row_weights(_ROW, words.device) * (2 * _K_COL)).sum()
+    if n > m * _ROW:
+        tail = words[m * _ROW :].to(wide)
+        total = total + (tail * _row_weights(tail.numel(), words.device) * _K_TAIL).sum()
+    return total
+
+
+def digests(tensors: Sequence[torch.Tensor | None], *, fold_zero: bool = False) -> torch.Tensor:
+    """Per-tensor digests stacked into a 1-D int64 tensor (on CPU)."""
+    if not tensors:
+        return torch.zeros(0, dtype=torch.int64)
+    return torch.stack([digest(t, fold_zero=fold_zero).cpu() for t in tensors])
+
+
+def combine(values: torch.Tensor) -> torch.Tensor:
+    """Fold a 1-D int64 tensor of digests into one position-weighted 0-dim digest."""
+    if values.numel() == 0:
+        return torch.tensor(0, dtype=torch.int64)
+    return (values * _row_weights(values.numel(), values.device)).sum()
+
+
+def tensor_digest(t: torch.Tensor | None, *, fold_zero: bool = False) -> int:
+    """:func:`digest` as a Python int (synchronises with the device)."""
+    return int(digest(t, fold_zero=fold_zero).item())
+
+
+_SKETCH_COLS = 256
+
+
+def _signs(gen: torch.Generator, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+    return torch.randint(0, 2, shape, generator=gen, dtype=torch.int8).to(dtype).mul_(2).sub_(1)
+
+
+def sketch(t: torch.Tensor | None, *, seed: int, k: int = 4) -> torch.Tensor:
+    """Norm and ``k`` ±1 projections of ``t`` as a float64 tensor of ``k + 1`` values (on CPU).
+
+    The sign vector of projection ``j`` is ``row_sign[:, j] ⊗ col_sign[:, j]`` over the tensor
+    viewed as rows of 256 values, both drawn from ``seed``: the tensor is read once (one
+    matrix-vector product per block) and nothing of its size is stored.
+    """
+    if t is None:
+        return torch.zeros(k + 1, dtype=torch.float64)
+    flat = t.detach().reshape(-1)
+    if not flat.is_floating_point():
+        flat = flat.to(torch.float32)
+    compute = torch.float32 if flat.dtype in (torch.float16, torch.bfloat16) else flat.dtype
+    gen = torch.Generator().manual_seed(seed & 0x7FFF_FFFF_FFFF_FFFF)
+    n = flat.numel()
+    m = n // _SKETCH_COLS
+    out = torch.zeros(k + 1, dtype=torch.float64)
+    out[0] = torch.linalg.vector_norm(flat, dtype=compute).double().cpu()
+    proj = torch.zeros(k, dtype=torch.float64)
+    col = _signs(gen, (_SKETCH_COLS, k), compute).to(flat.device)
+    if m:
+        row = _signs(gen, (m, k), compute).to(flat.device)
+        block = flat[: m * _SKETCH_COLS].view(m, _SKETCH_COLS)
+        if block.dtype != compute:
+            block = block.to(compute)
+        proj += ((block @ col) * row).sum(dim=0).double().cpu()
+    if n > m * _SKETCH_COLS:
+        tail = flat[m * _SKETCH_COLS :].to(compute)
+        proj += (tail @ col[: tail.numel()]).double().cpu()
+    out[1:] = proj
+    return out
+
+
+def sketches(tensors: Sequence[torch.Tensor | None], *, seed: int, k: int = 4) -> torch.Tensor:
+    """Per-tensor sketches as a float64 tensor of shape ``(len(tensors), k + 1)``."""
+    if not tensors:
+        return torch.zeros(0, k + 1, dtype=torch.float64)
+    return torch.stack([sketch(t, seed=seed * 1_000_003 + i, k=k) for i, t in enumerate(tensors)])
+
+
+def sketch_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Per-tensor distance of two sketch matrices, each difference scaled by the tensor's norm.
+
+    A single projection can cancel to near zero, so its difference is divided by the norm (the
+    scale of its noise), never by the projection itself. Returns a float64 tensor of one value
+    per tensor; NaN or Inf in either sketch gives ``inf``.
+    """
+    scale = torch.maximum(a[:, 0].abs(), b[:, 0].abs()).clamp_min(1e-30)
+    diff = (a - b).abs().amax(dim=1) / scale
+    bad = ~(torch.isfinite(a).all(dim=1) & torch.isfinite(b).all(dim=1))
+    both_zero = (a.abs().amax(dim=1) == 0) & (b.abs().amax(dim=1) == 0)
+    diff = torch.where(both_zero, torch.zeros_like(diff), diff)
+    return torch.where(bad, torch.full_like(diff, float("inf")), diff)

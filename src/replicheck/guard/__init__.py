@@ -1,0 +1,21 @@
+"""The training-side core: :class:`Guard` and its configuration, errors and context."""
+
+from replicheck.guard.config import GuardConfig
+from replicheck.guard.context import current_pass, current_step, is_replaying
+from replicheck.guard.core import Guard, StepResult
+from replicheck.guard.errors import BatchError, CorruptionDetected, GuardConfigError, GuardError
+from replicheck.guard.ring import Ring
+
+__all__ = [
+    "BatchError",
+    "CorruptionDetected",
+    "Guard",
+    "GuardConfig",
+    "GuardConfigError",
+    "GuardError",
+    "Ring",
+    "StepResult",
+    "current_pass",
+    "current_step",
+    "is_replaying",
+]

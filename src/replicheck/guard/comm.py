@@ -1,0 +1,75 @@
+"""The few collectives the guard needs, over a torch.distributed process group."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from replicheck.guard.batch import pack, unpack
+
+
+class Comm:
+    """Collectives of one process group; world size 1 short-circuits every call."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.group = group
+        self.rank = dist.get_rank(group) if self.distributed else 0
+        self.world_size = dist.get_world_size(group) if self.distributed else 1
+        backend = dist.get_backend(group) if self.distributed else "none"
+        # NCCL moves only device tensors; gloo only CPU ones.
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        )
+
+    def global_rank(self, group_rank: int) -> int:
+        if not self.distributed or self.group is None:
+            return group_rank
+        return dist.get_global_rank(self.group, group_rank)
+
+    def gather_rows(self, row: torch.Tensor) -> torch.Tensor:
+        """All-gather one 1-D int64 row per rank into a ``(world, len)`` CPU tensor."""
+        if self.world_size == 1:
+            return row.reshape(1, -1).clone()
+        local = row.to(self.device)
+        out = [torch.empty_like(local) for _ in range(self.world_size)]
+        dist.all_gather(out, local, group=self.group)
+        return torch.stack(out).cpu()
+
+    def gather_objects(self, obj: Any) -> list[Any]:
+        if self.world_size == 1:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def exchange(self, sends: Sequence[tuple[int, Any]], recv_from: Sequence[int]) -> dict[int, Any]:
+        """Send each ``(dest, obj)`` and receive one object from every rank in ``recv_from``.
+
+        Every rank posts all its sends and receives before waiting, so any pattern of pairs
+        completes as long as every send has its matching receive.
+        """
+        if self.world_size == 1:
+            return {src: obj for (_, obj), src in zip(sends, recv_from)}
+        payloads = [(dst, pack(obj)) for dst, obj in sends]
+        lengths_in = {src: torch.zeros(1, dtype=torch.int64, device=self.device) for src in recv_from}
+        reqs = [
+            dist.isend(torch.tensor([p.numel()], dtype=torch.int64, device=self.device), self._g(dst), self.group)
+            for dst, p in payloads
+        ]
+        reqs += [dist.irecv(t, self._g(src), self.group) for src, t in lengths_in.items()]
+        for r in reqs:
+            r.wait()
+        data_in = {
+            src: torch.empty(int(n.item()), dtype=torch.uint8, device=self.device) for src, n in lengths_in.items()
+        }
+        reqs = [dist.isend(p.to(self.device), self._g(dst), self.group) for dst, p in payloads]
+        reqs += [dist.irecv(t, self._g(src), self.group) for src, t in data_in.items()]
+        for r in reqs:
+            r.wait()
+        return {src: unpack(t) for src, t in data_in.items()}
+
+    def _g(self, group_rank: int) -> int:
+        return self.global_rank(group_rank)

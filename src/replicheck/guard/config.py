@@ -1,0 +1,85 @@
+"""Configuration of the guard."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from replicheck.guard.errors import GuardConfigError
+
+
+@dataclass(frozen=True, kw_only=True)
+class GuardConfig:
+    """How often and how strictly :class:`~replicheck.Guard` checks a training step."""
+
+    verify_every: int = 10
+    """Run the ring replay on steps ``s`` with ``s % verify_every == 0``."""
+    weights_every: int = 10
+    """Compare weights and optimizer state across replicas every this many steps (0: never)."""
+    mode: Literal["exact", "tolerant"] = "exact"
+    """``exact``: bit-for-bit digests, deterministic kernels for probe passes.
+    ``tolerant``: norm-scaled sketches with a threshold calibrated from the job's own noise."""
+    probe_size: int = 1
+    """Samples taken from the front of the first micro-batch as the probe."""
+    probe: Literal["auto", "split", "extra"] = "auto"
+    """``split``: the probe is part of the real batch (no extra compute for the source).
+    ``extra``: the probe is computed in addition (needed for BatchNorm in train mode).
+    ``auto``: ``extra`` when the model has a BatchNorm layer in train mode, else ``split``."""
+    start_step: int = 0
+    """Index of the first step this guard runs (a resumed job passes ``checkpoint step + 1``)."""
+    incident_dir: str | None = None
+    """Directory the incident JSON is written to (by one healthy rank), or ``None``."""
+    job_id: str | None = None
+    """Job id for incidents; ``None`` reads it from the environment (Slurm job id, or "local")."""
+    seed: int = 0
+    """Base of the (step, rank) seeds used for probe passes and sketch projections."""
+    deterministic: bool | None = None
+    """Deterministic kernels for probe and replay passes; ``None``: on in exact mode only."""
+    grad_norm_bound: float | None = 1e9
+    """Alarm when one rank's local gradient norm (per DDP bucket) exceeds this; ``None``: off.
+    Non-finite gradients always alarm."""
+    check_reduced: bool = True
+    """Every step, check that the all-reduced gradient is bit-identical on every rank."""
+    sketch_k: int = 4
+    """Tolerant mode: random ±1 projections per tensor, besides its norm."""
+    tolerance_floor: float = 1e-5
+    """Tolerant mode: lowest relative threshold (difference / tensor norm) that may alarm."""
+    tolerance_ceiling: float = 1e-2
+    """Tolerant mode: highest threshold calibration may reach (so noise cannot blind it)."""
+    tolerance_margin: float = 10.0
+    """Tolerant mode: threshold = margin × the largest replay-to-replay noise measured."""
+    calibration_verifications: int = 3
+    """Tolerant mode: verification steps on which every rank also replays its own probe to
+    measure the noise of its kernels."""
+    rebuild_buckets_on_resume: bool = True
+    """When ``start_step > 0``: run one synced backward (gradients discarded) before the first
+    step, so DDP's rebuilt bucket layout, and therefore the all-reduce order, matches an
+    uninterrupted run and a resume is bit-exact."""
+
+    def __post_init__(self) -> None:
+        if self.verify_every < 1:
+            raise GuardConfigError(f"verify_every must be >= 1, got {self.verify_every}")
+        if self.weights_every < 0:
+            raise GuardConfigError(f"weights_every must be >= 0, got {self.weights_every}")
+        if self.mode not in ("exact", "tolerant"):
+            raise GuardConfigError(f"mode must be 'exact' or 'tolerant', got {self.mode!r}")
+        if self.probe not in ("auto", "split", "extra"):
+            raise GuardConfigError(f"probe must be 'auto', 'split' or 'extra', got {self.probe!r}")
+        if self.probe_size < 1:
+            raise GuardConfigError(f"probe_size must be >= 1, got {self.probe_size}")
+        if self.start_step < 0:
+            raise GuardConfigError(f"start_step must be >= 0, got {self.start_step}")
+        if self.sketch_k < 1:
+            raise GuardConfigError(f"sketch_k must be >= 1, got {self.sketch_k}")
+        if not 0 < self.tolerance_floor <= self.tolerance_ceiling:
+            raise GuardConfigError("need 0 < tolerance_floor <= tolerance_ceiling")
+        if self.tolerance_margin < 1:
+            raise GuardConfigError(f"tolerance_margin must be >= 1, got {self.tolerance_margin}")
+        if self.grad_norm_bound is not None and not self.grad_norm_bound > 0:
+            raise GuardConfigError("grad_norm_bound must be positive or None")
+        if self.calibration_verifications < 0:
+            raise GuardConfigError("calibration_verifications must be >= 0")
+
+    @property
+    def use_deterministic(self) -> bool:
+        return self.mode == "exact" if self.deterministic is None else self.deterministic

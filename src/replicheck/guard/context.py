@@ -1,0 +1,55 @@
+"""What the guard is doing right now, for user hooks and fault injectors."""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator, Literal
+
+Pass = Literal["idle", "train", "probe", "replay", "optimizer", "selftest"]
+
+
+@dataclass
+class _State:
+    step: int = -1
+    pass_: Pass = "idle"
+    replaying: bool = False
+
+
+_local = threading.local()
+
+
+def _state() -> _State:
+    state = getattr(_local, "state", None)
+    if state is None:
+        state = _State()
+        _local.state = state
+    return state
+
+
+def is_replaying() -> bool:
+    """True while the guard recomputes another computation (a replay): hooks skip side effects."""
+    return _state().replaying
+
+
+def current_step() -> int:
+    """The step the guard is running (``-1`` outside :meth:`Guard.step`)."""
+    return _state().step
+
+
+def current_pass() -> Pass:
+    """Which pass runs now: ``train``, ``probe`` (this rank's own probe), ``replay``, or ``idle``."""
+    return _state().pass_
+
+
+@contextmanager
+def running(step: int, pass_: Pass) -> Iterator[None]:
+    """Mark the current thread as running ``pass_`` of ``step``."""
+    state = _state()
+    saved = (state.step, state.pass_, state.replaying)
+    state.step, state.pass_, state.replaying = step, pass_, pass_ == "replay"
+    try:
+        yield
+    finally:
+        state.step, state.pass_, state.replaying = saved

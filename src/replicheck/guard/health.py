@@ -1,0 +1,77 @@
+"""Per-step gradient checks: local health before the all-reduce, agreement after it."""
+
+# No `from __future__ import annotations`: DDP inspects the comm hook's annotations at runtime.
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from replicheck import fingerprint as fp
+
+ReducedHook = Callable[[int, torch.Tensor], None]
+"""``hook(bucket_index, reduced_bucket)``: sees (and may modify) a bucket after its all-reduce."""
+
+
+class GradHealth:
+    """Collects, for one step, the local gradient norm and the digest of the reduced gradient.
+
+    As a DDP communication hook it sees every bucket before the all-reduce (so a non-finite or
+    huge local gradient is attributed to the rank that produced it) and after it (so every
+    rank's reduced gradient can be compared bit for bit). It reduces the way DDP's default hook
+    does: divide by the world size, then all-reduce a sum.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None, digest_reduced: bool) -> None:
+        self.group = group
+        self.digest_reduced = digest_reduced
+        self.reduced_hooks: list[ReducedHook] = []
+        self.reset()
+
+    def reset(self) -> None:
+        self._local_sq: list[torch.Tensor] = []
+        self._reduced: dict[int, torch.Tensor] = {}
+
+    # -- DDP communication hook -------------------------------------------------------------
+    def comm_hook(self, state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        buf = bucket.buffer()
+        # Squared norm: one streaming read; NaN and Inf propagate into it.
+        self._local_sq.append(torch.linalg.vector_norm(buf, dtype=torch.float32).square())
+        world = dist.get_world_size(self.group)
+        buf.div_(world)
+        fut = dist.all_reduce(buf, group=self.group, async_op=True).get_future()
+        index = bucket.index()
+
+        def after(f: "torch.futures.Future[Any]") -> torch.Tensor:
+            out: torch.Tensor = f.value()[0]
+            for hook in self.reduced_hooks:
+                hook(index, out)
+            if self.digest_reduced:
+                self._reduced[index] = fp.digest(out)
+            return out
+
+        return fut.then(after)
+
+    # -- without DDP (world size 1, or a user-owned comm hook) -------------------------------
+    def observe_local(self, grads: Sequence[torch.Tensor]) -> None:
+        if grads:
+            norms = torch._foreach_norm(list(grads))
+            self._local_sq.append(torch.stack([n.float() for n in norms]).square().sum())
+
+    def observe_reduced(self, grads: Sequence[torch.Tensor]) -> None:
+        if self.digest_reduced and grads:
+            for hook in self.reduced_hooks:
+                for i, g in enumerate(grads):
+                    hook(i, g)
+            self._reduced[0] = fp.combine(fp.digests(grads))
+
+    # -- results ------------------------------------------------------------------------------
+    def local_norm(self) -> float:
+        if not self._local_sq:
+            return 0.0
+        return float(torch.stack([t.cpu() for t in self._local_sq]).sum().sqrt())
+
+    def reduced_digest(self) -> int:
+        if not self._reduced:
+            return 0
+        ordered = torch.stack([self._reduced[i].cpu() for i in sorted(self._reduced)])
+        return int(fp.combine(ordered))

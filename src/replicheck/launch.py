@@ -1,0 +1,115 @@
+"""Run a function as a local multi-process gloo job: the harness of tests, campaigns and demos.
+
+The parent hosts the rendezvous store on a free port (port 0), each child joins the gloo group
+and gets its node name explicitly, which is how several nodes are simulated on one machine.
+Every child's return value (or its error, as text) comes back; a job that does not finish in
+``timeout`` seconds is killed, since a collective bug shows as a hang.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable, Sequence
+
+
+class LaunchError(RuntimeError):
+    """A rank failed or the job did not finish in time."""
+
+
+@dataclass(frozen=True)
+class RankContext:
+    """What a rank's function is given."""
+
+    rank: int
+    """Global rank."""
+    world_size: int
+    """Number of ranks."""
+    node: str
+    """This rank's simulated node name."""
+    nodes: tuple[str, ...]
+    """Node name of every rank."""
+
+
+def node_names(nodes: int, per_node: int) -> list[str]:
+    """``["node0", "node0", "node1", ...]``: consecutive ranks share a node, as torchrun places them."""
+    return [f"node{r // per_node}" for r in range(nodes * per_node)]
+
+
+def _child(fn: Callable[..., Any], ctx: RankContext, port: int, args: tuple[Any, ...], out: Any, threads: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    try:
+        store = dist.TCPStore("127.0.0.1", port, ctx.world_size, is_master=False, timeout=timedelta(seconds=60))
+        dist.init_process_group("gloo", store=store, rank=ctx.rank, world_size=ctx.world_size,
+                                timeout=timedelta(seconds=120))
+        try:
+            result = fn(ctx, *args)
+        finally:
+            dist.destroy_process_group()
+        out.put((ctx.rank, True, result))
+    except BaseException:  # noqa: BLE001 - every failure must reach the parent
+        out.put((ctx.rank, False, traceback.format_exc()))
+
+
+def run_local(
+    fn: Callable[..., Any],
+    nodes: Sequence[str],
+    *,
+    args: tuple[Any, ...] = (),
+    timeout: float = 300.0,
+    threads_per_rank: int = 1,
+) -> list[Any]:
+    """Run ``fn(ctx, *args)`` on ``len(nodes)`` ranks; return their results in rank order.
+
+    ``fn`` must be importable by name (a module-level function): children are spawned.
+    """
+    import torch.distributed as dist
+
+    world = len(nodes)
+    if world < 1:
+        raise LaunchError("need at least one rank")
+    store = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True, wait_for_workers=False)
+    mpctx = mp.get_context("spawn")
+    out = mpctx.Queue()
+    procs = []
+    for rank in range(world):
+        ctx = RankContext(rank=rank, world_size=world, node=nodes[rank], nodes=tuple(nodes))
+        p = mpctx.Process(target=_child, args=(fn, ctx, store.port, args, out, threads_per_rank), daemon=True)
+        p.start()
+        procs.append(p)
+    results: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) + len(errors) < world:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise LaunchError(f"job did not finish within {timeout:.0f}s (ranks done: {sorted(results)})")
+            try:
+                rank, ok, value = out.get(timeout=min(left, 1.0))
+            except queue.Empty:
+                dead = [i for i, p in enumerate(procs) if not p.is_alive() and i not in results and i not in errors]
+                for i in dead:
+                    if procs[i].exitcode not in (0, None):
+                        errors[i] = f"rank {i} exited with code {procs[i].exitcode}"
+                continue
+            (results if ok else errors)[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        del store
+    if errors:
+        first = min(errors)
+        raise LaunchError(f"rank {first} failed:\n{errors[first]}")
+    return [results[r] for r in range(world)]
+
