@@ -39,6 +39,23 @@ class JobSpec:
     """Split each step's batch into this many micro-batches (gradient accumulation)."""
     keep_state: bool = False
     """Return the final model state dict (CPU tensors) in the result."""
+    checkpoint_dir: str | None = None
+    """Directory of a :class:`replicheck.checkpoint.CheckpointStore` (guarded runs only); ``None``: no checkpoints."""
+    checkpoint_every: int = 0
+    """Save a verified checkpoint after every step ``s`` with ``s % checkpoint_every == 0`` (0: never)."""
+    checkpoint_keep: int = 5
+    """Checkpoints retention keeps (besides the current resume point)."""
+    resume: bool = False
+    """Before the first step, restore the store's resume point and start at its step + 1; start
+    from scratch when there is none."""
+    resume_incident: str | None = None
+    """With ``resume``: the incident (JSON text or file path) to resume after; the resume point is
+    then the newest checkpoint not after its last passing verification."""
+    resume_policy: str = "last_pass"
+    """With ``resume_incident``: ``last_pass`` or ``two_passes`` (intermittent faults)."""
+    stop_step: int | None = None
+    """When set, run up to this step index (exclusive) instead of ``steps`` steps, so a requeued
+    job can resume with the same spec."""
 
 
 @dataclass
@@ -54,6 +71,8 @@ class JobResult:
     weights_digest: int = 0
     state: dict[str, torch.Tensor] | None = None
     setup_result: Any = None
+    resumed_from: int | None = None
+    checkpoints: list[int] = field(default_factory=list)
 
 
 def build(spec: JobSpec, ctx: RankContext) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -71,6 +90,27 @@ def batch_for(spec: JobSpec, step: int, rank: int) -> list[dict[str, torch.Tenso
     return parts
 
 
+def _checkpointing(spec: JobSpec, model: torch.nn.Module, opt: torch.optim.Optimizer,
+                   result: JobResult) -> tuple[Any, GuardConfig]:
+    """The job's checkpoint store (or None) and the guard config, resumed when asked."""
+    assert spec.guard is not None
+    if spec.checkpoint_dir is None:
+        return None, spec.guard
+    from dataclasses import replace
+
+    from replicheck.checkpoint import CheckpointStore
+
+    store = CheckpointStore(spec.checkpoint_dir, keep=spec.checkpoint_keep)
+    if not spec.resume or not store.directory.is_dir():
+        return store, spec.guard
+    point = store.resume_point(spec.resume_incident, policy=spec.resume_policy)  # type: ignore[arg-type]
+    if point is None:
+        return store, spec.guard
+    step = store.load(point, model, opt)
+    result.resumed_from = step
+    return store, replace(spec.guard, start_step=step + 1)
+
+
 def train(ctx: RankContext, spec: JobSpec) -> JobResult:
     """Run ``spec`` on this rank until done or until the guard stops a step."""
     model, opt = build(spec, ctx)
@@ -84,16 +124,24 @@ def train(ctx: RankContext, spec: JobSpec) -> JobResult:
             opt.step()
             result.losses[s], result.last_step = float(loss), s
     else:
-        guard = Guard(model, opt, lm_loss, config=spec.guard, node=ctx.node)
+        store, gcfg = _checkpointing(spec, model, opt, result)
+        guard = Guard(model, opt, lm_loss, config=gcfg, node=ctx.node)
+        if store is not None and store.loaded is not None:
+            # The resumed guard continues the lineage's verification record.
+            guard.last_verified_step = store.loaded.checkpoint.last_verified_step
         if spec.setup is not None:
             result.setup_result = spec.setup(ctx, model, opt, guard)
-        start = spec.guard.start_step
+        start = gcfg.start_step
+        stop = spec.stop_step if spec.stop_step is not None else start + spec.steps
         try:
-            for s in range(start, start + spec.steps):
+            for s in range(start, stop):
                 out = guard.step(*batch_for(spec, s, ctx.rank))
                 result.losses[s], result.last_step = out.loss, s
                 if out.verified:
                     result.verified_steps.append(s)
+                if store is not None and spec.checkpoint_every > 0 and s % spec.checkpoint_every == 0:
+                    store.save(s, model, opt, guard=guard)
+                    result.checkpoints.append(s)
         except CorruptionDetected as exc:
             result.incident = exc.incident.to_dict()
     result.weights_digest = int(fp.combine(fp.digests(list(bare.parameters()))))

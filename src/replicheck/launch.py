@@ -8,6 +8,7 @@ Every child's return value (or its error, as text) comes back; a job that does n
 
 from __future__ import annotations
 
+import io
 import multiprocessing as mp
 import queue
 import time
@@ -53,7 +54,11 @@ def _child(fn: Callable[..., Any], ctx: RankContext, port: int, args: tuple[Any,
             result = fn(ctx, *args)
         finally:
             dist.destroy_process_group()
-        out.put((ctx.rank, True, result))
+        # Tensors cross as bytes: torch's queue pickler would share them through file
+        # descriptors that die with this process.
+        buf = io.BytesIO()
+        torch.save(result, buf)
+        out.put((ctx.rank, True, buf.getvalue()))
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
         out.put((ctx.rank, False, traceback.format_exc()))
 
@@ -100,7 +105,12 @@ def run_local(
                     if procs[i].exitcode not in (0, None):
                         errors[i] = f"rank {i} exited with code {procs[i].exitcode}"
                 continue
-            (results if ok else errors)[rank] = value
+            if ok:
+                import torch
+
+                results[rank] = torch.load(io.BytesIO(value), weights_only=False)
+            else:
+                errors[rank] = value
     finally:
         for p in procs:
             p.join(timeout=5)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator, Literal
@@ -17,15 +16,13 @@ class _State:
     replaying: bool = False
 
 
-_local = threading.local()
+# Process-wide, not thread-local: backward hooks run on autograd worker threads (one per
+# device) and communication-hook callbacks on the backend's threads, and both must see it.
+_STATE = _State()
 
 
 def _state() -> _State:
-    state = getattr(_local, "state", None)
-    if state is None:
-        state = _State()
-        _local.state = state
-    return state
+    return _STATE
 
 
 def is_replaying() -> bool:
@@ -45,7 +42,7 @@ def current_pass() -> Pass:
 
 @contextmanager
 def running(step: int, pass_: Pass) -> Iterator[None]:
-    """Mark the current thread as running ``pass_`` of ``step``."""
+    """Mark the process as running ``pass_`` of ``step``."""
     state = _state()
     saved = (state.step, state.pass_, state.replaying)
     state.step, state.pass_, state.replaying = step, pass_, pass_ == "replay"

@@ -1,0 +1,108 @@
+"""Test-only fault hooks for the guard's distributed tests (picklable setup functions).
+
+They are deliberately plain torch hooks, independent of ``replicheck.faults``, so the guard's
+tests do not rely on the injector they are used to validate.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from replicheck.guard import Guard, current_pass, current_step
+from replicheck.launch import RankContext
+
+
+def _bare(model: torch.nn.Module) -> torch.nn.Module:
+    return getattr(model, "module", model)
+
+
+def forward_fault(ctx: RankContext, model: Any, opt: Any, guard: Guard, *, rank: int, onset: int,
+                  only_pass: str | None = None, once: bool = False) -> None:
+    """Add 1.0 to one activation of block 0's feed-forward on ``rank`` from step ``onset``."""
+    if ctx.rank != rank:
+        return
+    fired: list[int] = []
+
+    def hook(mod: Any, inp: Any, out: torch.Tensor) -> torch.Tensor | None:
+        if current_step() < onset or (once and fired) or (only_pass and current_pass() != only_pass):
+            return None
+        fired.append(current_step())
+        out = out.clone()
+        out.view(-1)[7] += 1.0
+        return out
+
+    _bare(model).blocks[0].ffn.register_forward_hook(hook)
+
+
+def grad_fault(ctx: RankContext, model: Any, opt: Any, guard: Guard, *, rank: int, onset: int,
+               factor: float = 1.5) -> None:
+    """Scale one weight's gradient on ``rank`` from step ``onset``; the forward is untouched."""
+    if ctx.rank != rank:
+        return
+    weight = _bare(model).blocks[0].attn.qkv.weight
+
+    def hook(g: torch.Tensor) -> torch.Tensor | None:
+        return g * factor if current_step() >= onset else None
+
+    weight.register_hook(hook)
+
+
+def nan_grad(ctx: RankContext, model: Any, opt: Any, guard: Guard, *, rank: int, at: int) -> None:
+    """Put a NaN into one local gradient value on ``rank`` in the training pass of step ``at``."""
+    if ctx.rank != rank:
+        return
+
+    def hook(g: torch.Tensor) -> torch.Tensor | None:
+        if current_step() != at or current_pass() != "train":
+            return None
+        g = g.clone()
+        g.view(-1)[0] = float("nan")
+        return g
+
+    _bare(model).head.weight.register_hook(hook)
+
+
+def activation_noise(ctx: RankContext, model: Any, opt: Any, guard: Guard, *, rel: float) -> None:
+    """Every rank: relative noise on the embedding output from a private generator, like
+    non-deterministic kernels (the guard's seeded probe RNG does not reach it)."""
+    gen = torch.Generator().manual_seed(10_000 + ctx.rank * 7919 + int(torch.randint(0, 1 << 30, ()).item()))
+
+    def hook(mod: Any, inp: Any, out: torch.Tensor) -> torch.Tensor:
+        return out * (1 + rel * torch.randn(out.shape, generator=gen))
+
+    _bare(model).embed.register_forward_hook(hook)
+
+
+def with_noise(ctx: RankContext, model: Any, opt: Any, guard: Guard, *, rel: float, inner: Any) -> None:
+    """Noise on every rank, then ``inner`` (another setup)."""
+    activation_noise(ctx, model, opt, guard, rel=rel)
+    inner(ctx, model, opt, guard)
+
+
+def optimizer_fault(ctx: RankContext, model: Any, opt: torch.optim.Optimizer, guard: Guard, *, rank: int,
+                    at: int) -> None:
+    """After ``rank``'s optimizer update of step ``at``, nudge one weight (a corrupted update)."""
+    if ctx.rank != rank:
+        return
+    weight = _bare(model).blocks[0].ffn.up.weight
+
+    def post(optimizer: Any, args: Any, kwargs: Any) -> None:
+        if current_step() == at:
+            with torch.no_grad():
+                weight.view(-1)[3] += 0.01
+
+    opt.register_step_post_hook(post)
+
+
+def reduced_fault(ctx: RankContext, model: Any, opt: Any, guard: Guard, *, rank: int, at: int) -> None:
+    """Corrupt ``rank``'s reduced gradient after the all-reduce at step ``at``."""
+    if ctx.rank != rank:
+        return
+
+    def hook(index: int, t: torch.Tensor) -> None:
+        if current_step() == at and index == 0:
+            t.view(-1)[5] += 1e-3
+
+    guard.add_reduced_gradient_hook(hook)
