@@ -28,8 +28,8 @@ class Deferred:
 
     note: str
     next_at: str
-    counted: bool
-    """Whether this attempt counts towards retry_max_attempts (only real errors do)."""
+    uncount: bool
+    """Undo this attempt's count: polling is not a failure towards retry_max_attempts."""
 
 
 Outcome = ActionDone | ActionFailed | Deferred
@@ -48,7 +48,7 @@ class Executor:
     def perform(self, row: ActionRow) -> Outcome:
         now = self._clock()
         if row.kind in DESTRUCTIVE and not self._config.apply:
-            return Deferred(DRY_RUN_NOTE, _iso(now + _seconds(self._config.poll_interval_s)), counted=False)
+            return Deferred(DRY_RUN_NOTE, _iso(now + _seconds(self._config.poll_interval_s)), uncount=False)
         with self._store.transaction():
             self._store.start_attempt(row.key, _iso(now))
         attempts = row.attempts + 1
@@ -59,7 +59,7 @@ class Executor:
             if deadline and _iso(self._clock()) >= str(deadline):
                 return ActionDone(row.key, row.kind, row.node,
                                   {"back": False, "replacement": None, "detail": f"not back by {deadline}"})
-            return Deferred(f"waiting: {exc}", _iso(now + _seconds(self._config.return_poll_s)), counted=False)
+            return Deferred(f"waiting: {exc}", _iso(now + _seconds(self._config.return_poll_s)), uncount=True)
         except PermanentBackendError as exc:
             return ActionFailed(row.key, row.kind, row.node, str(exc))
         except (TransientBackendError, OSError) as exc:
@@ -68,7 +68,7 @@ class Executor:
                                     f"gave up after {attempts} attempts: {exc}")
             delay = retry_delay(attempts, self._config.retry_base_delay_s, self._config.retry_max_delay_s)
             note = f"attempt {attempts} failed ({exc}); retrying in {delay:g}s"
-            return Deferred(note, _iso(now + _seconds(delay)), counted=True)
+            return Deferred(note, _iso(now + _seconds(delay)), uncount=False)
         return ActionDone(row.key, row.kind, row.node, result)
 
     def _call(self, row: ActionRow) -> Mapping[str, Any]:

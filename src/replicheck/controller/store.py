@@ -172,11 +172,12 @@ class Store:
 
     # --- incidents and records --------------------------------------------------------------
 
-    def add_incident(self, incident: Incident, source: str, now: str) -> tuple[bool, bool]:
+    def add_incident(self, incident: Incident, source: str, now: str) -> tuple[bool, str]:
         """Store ``incident`` or merge it into the stored one with the same id.
 
-        Returns (new, differs): ``differs`` is True for a duplicate whose content is not
-        identical to the first copy (kept as the first copy; the caller audits it).
+        Returns (new, merge): merge is "same" for an identical copy, "filled" when the copy only
+        adds a recommended_checkpoint the first lacked (the stored copy is updated), and
+        "differs" otherwise (the first copy is kept; the caller audits it).
         """
         body = incident.to_json()
         with self.transaction():
@@ -185,10 +186,17 @@ class Store:
                 self._db.execute(
                     "INSERT INTO incidents(id, job_id, body, source, first_seen, last_seen, deliveries)"
                     " VALUES(?, ?, ?, ?, ?, ?, 1)", (incident.id, incident.job_id, body, source, now, now))
-                return True, False
+                return True, "same"
             self._db.execute("UPDATE incidents SET deliveries=deliveries+1, last_seen=? WHERE id=?",
                              (now, incident.id))
-            return False, _comparable(row[0]) != _comparable(body)
+            old, new = _comparable(row[0]), _comparable(body)
+            if old == new:
+                return False, "same"
+            if old.get("recommended_checkpoint") is None and new.get("recommended_checkpoint") is not None \
+                    and {**old, "recommended_checkpoint": None} == {**new, "recommended_checkpoint": None}:
+                self._db.execute("UPDATE incidents SET body=? WHERE id=?", (body, incident.id))
+                return False, "filled"
+            return False, "differs"
 
     def get_incident(self, incident_id: str) -> IncidentRow:
         row = self._db.execute("SELECT body, source, first_seen, deliveries FROM incidents WHERE id=?",
@@ -344,8 +352,8 @@ def _statements(script: str) -> list[str]:
     return out
 
 
-def _comparable(body: str) -> str:
+def _comparable(body: str) -> dict[str, Any]:
     # Ranks may write their copies at slightly different times; the time is not the content.
-    data = json.loads(body)
+    data: dict[str, Any] = json.loads(body)
     data.pop("time", None)
-    return json.dumps(data, sort_keys=True)
+    return data

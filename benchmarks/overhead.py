@@ -1,0 +1,110 @@
+"""Step-time overhead of the guard against the plain DDP loop, measured in the same run.
+
+Two gloo ranks train the Llama-style decoder (d_model 256, 4 layers, 8 sequences x 256 tokens
+per rank per step). Rounds alternate plain and guarded blocks of ``--block`` steps on the same
+processes (interleaved, so drift of the machine hits both alike); a block's time covers whole
+verification periods. The guarded configuration is the published schedule: replay every 10
+steps, weights and optimizer state every 10 steps, exact mode, every per-step check on.
+
+    python benchmarks/overhead.py [--rounds 6] [--block 10] [--json out.json]
+
+Prints per-round ratios (guarded / plain), the median and the spread. Not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from replicheck.guard import Guard, GuardConfig
+from replicheck.launch import RankContext, node_names, run_local
+from replicheck.workloads import DecoderConfig, lm_loss, make_model, synthetic_batch
+
+MODEL = DecoderConfig(vocab=1024, d_model=256, n_layers=4, n_heads=8, seq_len=256)
+
+
+def _bench(ctx: RankContext, rounds: int, block: int, batch: int, mode: str, warmup: int) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    def make() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        model = DistributedDataParallel(make_model(MODEL, seed=0))
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    plain_model, plain_opt = make()
+    guarded_model, guarded_opt = make()
+    guard = Guard(guarded_model, guarded_opt, lm_loss, node=ctx.node,
+                  config=GuardConfig(verify_every=10, weights_every=10, mode=mode))  # type: ignore[arg-type]
+    batches = [synthetic_batch(MODEL, step=s, rank=ctx.rank, batch=batch) for s in range(block)]
+
+    def plain_step(b: dict[str, torch.Tensor]) -> None:
+        plain_opt.zero_grad(set_to_none=True)
+        lm_loss(plain_model, b).backward()
+        plain_opt.step()
+
+    def run_block(guarded: bool) -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        for b in batches:
+            if guarded:
+                guard.step(b)
+            else:
+                plain_step(b)
+        dist.barrier()
+        return time.perf_counter() - t0
+
+    for i in range(warmup):  # settle DDP buckets, allocator and caches on both loops
+        plain_step(batches[i % block])
+    for _ in range(warmup // block + 1):
+        run_block(True)
+    plain_t, guarded_t = [], []
+    for r in range(rounds):
+        order = (False, True) if r % 2 == 0 else (True, False)
+        for g in order:
+            (guarded_t if g else plain_t).append(run_block(g))
+    return {"plain": plain_t, "guarded": guarded_t}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--block", type=int, default=10, help="steps per timed block (a multiple of 10)")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--mode", choices=["exact", "tolerant"], default="exact")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--json", help="also write the figures to this file")
+    args = parser.parse_args(argv)
+    out = run_local(_bench, node_names(2, 1), args=(args.rounds, args.block, args.batch, args.mode, args.warmup),
+                    timeout=3600)[0]
+    ratios = [g / p for g, p in zip(out["guarded"], out["plain"])]
+    step_ms = statistics.median(out["plain"]) / args.block * 1e3
+    summary = {
+        "model": "d_model 256, 4 layers, 8 heads, vocab 1024",
+        "tokens_per_rank_per_step": args.batch * MODEL.seq_len,
+        "ranks": 2,
+        "mode": args.mode,
+        "schedule": "verify_every=10, weights_every=10, all per-step checks",
+        "plain_step_ms_median": round(step_ms, 1),
+        "ratios": [round(r, 4) for r in ratios],
+        "median_ratio": round(statistics.median(ratios), 4),
+        "min_ratio": round(min(ratios), 4),
+        "max_ratio": round(max(ratios), 4),
+        "ratio_of_totals": round(sum(out["guarded"]) / sum(out["plain"]), 4),
+        "torch": torch.__version__,
+        "threads_per_rank": torch.get_num_threads(),
+    }
+    print(json.dumps(summary, indent=2))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump(summary, fh, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

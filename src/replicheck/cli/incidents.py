@@ -1,0 +1,128 @@
+"""``replicheck incidents list | show ID | approve ID --by NAME | dismiss ID --by NAME | ingest FILE``."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from typing import Any
+
+
+def register(subparsers: Any) -> None:
+    from replicheck.controller.clisupport import add_db_argument
+
+    parser = subparsers.add_parser("incidents", help="list, inspect, approve or dismiss incidents")
+    sub = parser.add_subparsers(dest="incidents_command", metavar="ACTION", required=True)
+    p = sub.add_parser("list", help="all incidents and their states")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--rejected", action="store_true", help="list rejected inputs instead")
+    p.set_defaults(func=_guard(_list))
+    p = sub.add_parser("show", help="one incident with its actions and audit log")
+    p.add_argument("id")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=_guard(_show))
+    for name, verb in (("approve", "approve the replacement of"), ("dismiss", "dismiss (undo the cordon of)")):
+        p = sub.add_parser(name, help=f"{verb} an incident's suspect nodes")
+        p.add_argument("id")
+        p.add_argument("--by", required=True, metavar="NAME", help="who decides (recorded in the audit log)")
+        p.set_defaults(func=_guard(_approve if name == "approve" else _dismiss))
+    p = sub.add_parser("ingest", help="store incident files (the running controller acts on them)")
+    p.add_argument("files", nargs="+", metavar="FILE")
+    p.set_defaults(func=_guard(_ingest))
+    for p in sub.choices.values():
+        add_db_argument(p)
+
+
+def _guard(func: Any) -> Any:
+    def call(args: argparse.Namespace) -> int:
+        from replicheck.controller.clisupport import guarded
+
+        return guarded(func)(args)
+
+    return call
+
+
+def _controller(args: argparse.Namespace) -> Any:
+    from replicheck.controller import Controller
+    from replicheck.controller.clisupport import db_path
+
+    return Controller(db_path(args))
+
+
+def _list(args: argparse.Namespace) -> int:
+    from replicheck.controller.clisupport import print_json, record_line
+
+    with _controller(args) as ctl:
+        if args.rejected:
+            rows = ctl.store.rejected_rows()
+            if args.json:
+                print_json([{"source": s, "reason": r, "at": at, "content": c.decode("utf-8", "replace")}
+                            for s, r, c, at in rows])
+            for source, reason, _, at in [] if args.json else rows:
+                print(f"{at} {source}: {reason}")
+            return 0
+        records = ctl.records()
+        if args.json:
+            print_json([dataclasses.asdict(r) | {"state": r.state.value} for r in records])
+            return 0
+        for r in records:
+            print(record_line(r))
+        rejected = len(ctl.store.rejected_rows())
+        if rejected:
+            print(f"({rejected} rejected input(s); see: replicheck incidents list --rejected)", file=sys.stderr)
+    return 0
+
+
+def _show(args: argparse.Namespace) -> int:
+    from replicheck.controller.clisupport import print_json, record_detail
+
+    with _controller(args) as ctl:
+        view = ctl.show(args.id)
+        if args.json:
+            print_json({"incident": view.incident.incident.to_dict(),
+                        "record": dataclasses.asdict(view.record) | {"state": view.record.state.value},
+                        "deliveries": view.incident.deliveries,
+                        "actions": [dataclasses.asdict(a) | {"kind": a.kind.value} for a in view.actions],
+                        "audit": [dataclasses.asdict(a) for a in view.audit]})
+            return 0
+        inc = view.incident.incident
+        print(f"incident {inc.id}  (step {inc.step}, check {inc.check}, {inc.time}, "
+              f"{view.incident.deliveries} deliveries)")
+        for line in record_detail(view.record):
+            print("  " + line)
+        print("  actions:")
+        for a in view.actions:
+            note = f" - {a.last_error}" if a.last_error and a.status != "done" else ""
+            print(f"    {a.kind.value:<12} {a.node or '-':<12} {a.status:<10} attempts={a.attempts}{note}")
+        print("  audit:")
+        for e in view.audit:
+            print(f"    {e.at} {e.actor}: {e.what} -> {e.outcome}")
+    return 0
+
+
+def _approve(args: argparse.Namespace) -> int:
+    with _controller(args) as ctl:
+        record = ctl.approve(args.id, by=args.by)
+    print(f"{record.incident_id}: {record.state.value} ({record.reason})")
+    return 0
+
+
+def _dismiss(args: argparse.Namespace) -> int:
+    with _controller(args) as ctl:
+        record = ctl.dismiss(args.id, by=args.by)
+    print(f"{record.incident_id}: {record.state.value} ({record.reason})")
+    return 0
+
+
+def _ingest(args: argparse.Namespace) -> int:
+    status = 0
+    with _controller(args) as ctl:
+        for path in args.files:
+            result = ctl.ingest_file(path)
+            if result.rejected:
+                print(f"replicheck: rejected {result.source}: {result.rejected} (kept in the database)",
+                      file=sys.stderr)
+                status = 1
+            else:
+                print(f"ingested {result.incident_id}{'' if result.new else ' (duplicate merged)'}")
+    return status

@@ -1,0 +1,256 @@
+"""``slurm``: drain, resume, fail with ``Action:Replace`` and requeue/resubmit through the
+Slurm client commands. Each call observes the node or job first so that repeating it after a
+crash is a no-op; node names are validated before they reach a command line."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+from replicheck.controller.backends.base import NodeInfo, ResumeRequest, validate_node_name
+from replicheck.controller.backends.commands import CommandRunner
+from replicheck.controller.errors import ConfigError, NotYet, PermanentBackendError
+
+_SEP = "|#|"
+_UNSCHEDULABLE = ("drain", "fail", "down", "maint", "reboot", "power", "future", "unknown")
+_FINISHED_JOB = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
+                 "PREEMPTED", "BOOT_FAIL", "DEADLINE"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class SlurmConfig:
+    """How to talk to Slurm."""
+
+    slurm_conf: str | None = None
+    """Path given to the client commands as SLURM_CONF (None: their default)."""
+    bin_dir: str | None = None
+    """Directory holding scontrol/sinfo/squeue (None: found on PATH)."""
+    command_timeout_s: float = 30.0
+    """Timeout of one client command; a timeout is a temporary error."""
+    replace_reason: str = "Action:Replace"
+    """Reason set with state=fail; HyperPod matches this string exactly."""
+    replace_command: tuple[str, ...] = ()
+    """Run this instead of ``scontrol update ... state=fail`` to replace (``{node}`` substituted)."""
+    resume_mode: str = "requeue"
+    """``requeue`` (scontrol requeuehold, exclude, release), ``resubmit`` (resubmit_command) or ``none``."""
+    resubmit_command: tuple[str, ...] = ()
+    """For resume_mode=resubmit: argv template with {job_id} {step} {checkpoint} {exclude} {marker};
+    must contain {marker} (e.g. ``--comment={marker}``); an argument with {exclude} is dropped when
+    nothing is excluded."""
+    selftest_command: tuple[str, ...] = ("ssh", "-o", "BatchMode=yes", "{node}", "replicheck", "selftest", "--json")
+    """argv template running the self-test on ``{node}`` out of band (Slurm starts no work on a
+    drained node); it must print the self-test JSON."""
+    reference_node: str | None = None
+    """Healthy node to compare self-test fingerprints with (None: a schedulable node of the
+    suspect's partition)."""
+
+    def __post_init__(self) -> None:
+        if self.resume_mode not in ("requeue", "resubmit", "none"):
+            raise ConfigError(f"resume_mode must be requeue, resubmit or none, got {self.resume_mode!r}")
+        if self.resume_mode == "resubmit":
+            if not self.resubmit_command:
+                raise ConfigError("resume_mode=resubmit needs resubmit_command")
+            if not any("{marker}" in a for a in self.resubmit_command):
+                raise ConfigError("resubmit_command must pass {marker} (e.g. --comment={marker}) so a "
+                                  "restarted controller can tell it already resubmitted")
+        if not self.replace_reason:
+            raise ConfigError("replace_reason must not be empty")
+        if self.reference_node is not None:
+            validate_node_name(self.reference_node)
+
+
+class SlurmBackend:
+    """The Backend protocol on a Slurm cluster."""
+
+    name = "slurm"
+
+    def __init__(self, config: SlurmConfig | None = None, runner: CommandRunner | None = None) -> None:
+        self.config = config or SlurmConfig()
+        env = {"SLURM_CONF": self.config.slurm_conf} if self.config.slurm_conf else {}
+        self._run = runner or CommandRunner(env, self.config.command_timeout_s)
+
+    def _bin(self, name: str) -> str:
+        return os.path.join(self.config.bin_dir, name) if self.config.bin_dir else name
+
+    # --- observation ------------------------------------------------------------------------
+
+    def list_nodes(self) -> list[NodeInfo]:
+        out = self._run.run([self._bin("sinfo"), "--noheader", "--Node", "--format",
+                             _SEP.join(("%N", "%T", "%P", "%E"))]).stdout
+        merged: dict[str, NodeInfo] = {}
+        for line in out.splitlines():
+            parts = line.split(_SEP)
+            if len(parts) != 4:
+                continue
+            name, state, partition, reason = (p.strip() for p in parts)
+            partition = partition.rstrip("*")
+            reason = "" if reason == "none" else reason
+            prev = merged.get(name)
+            partitions = (prev.partitions if prev else ()) + (partition,)
+            merged[name] = NodeInfo(name=name, state=state, reason=reason, partitions=partitions,
+                                    schedulable=_schedulable(state))
+        return [merged[n] for n in sorted(merged)]
+
+    def node(self, node: str) -> NodeInfo:
+        validate_node_name(node)
+        for info in self.list_nodes():
+            if info.name == node:
+                return info
+        raise PermanentBackendError(f"Slurm knows no node {node!r}")
+
+    def schedulable_by_partition(self, node: str) -> Mapping[str, Sequence[str]]:
+        nodes = self.list_nodes()
+        mine = next((n for n in nodes if n.name == node), None)
+        if mine is None:
+            raise PermanentBackendError(f"Slurm knows no node {node!r}")
+        return {p: [n.name for n in nodes if p in n.partitions and n.schedulable] for p in mine.partitions}
+
+    # --- node actions -----------------------------------------------------------------------
+
+    def cordon(self, node: str, reason: str, key: str) -> Mapping[str, Any]:
+        info = self.node(node)
+        if "drain" in info.state:
+            return {"detail": f"{node} already {info.state}", "reason": info.reason}
+        self._update_node(node, "drain", reason)
+        return {"detail": f"drained {node}"}
+
+    def uncordon(self, node: str, reason_prefix: str, key: str) -> Mapping[str, Any]:
+        info = self.node(node)
+        if "drain" not in info.state or not info.reason.startswith(reason_prefix):
+            # Not ours (or already resumed): leave a node drained by someone else alone.
+            return {"detail": f"{node} left as is ({info.state}: {info.reason or 'no reason'})"}
+        self._update_node(node, "resume", None)
+        return {"detail": f"resumed {node}"}
+
+    def replace(self, node: str, key: str) -> Mapping[str, Any]:
+        info = self.node(node)
+        if "fail" in info.state and info.reason.startswith(self.config.replace_reason):
+            return {"detail": f"{node} already {info.state} ({info.reason})"}
+        if self.config.replace_command:
+            self._run.run([a.replace("{node}", node) for a in self.config.replace_command])
+            return {"detail": f"replace command run for {node}"}
+        self._update_node(node, "fail", self.config.replace_reason)
+        return {"detail": f"{node} set to fail with reason {self.config.replace_reason}"}
+
+    def await_return(self, node: str, key: str) -> Mapping[str, Any]:
+        info = self.node(node)
+        # A resumed node shows e.g. "idle*" until its slurmd registers: not back yet.
+        if info.schedulable:
+            return {"back": True, "replacement": None, "detail": f"{node} is {info.state}"}
+        raise NotYet(f"{node} is {info.state}")
+
+    def _update_node(self, node: str, state: str, reason: str | None) -> None:
+        argv = [self._bin("scontrol"), "update", f"nodename={validate_node_name(node)}", f"state={state}"]
+        if reason is not None:
+            argv.append(f"reason={reason}")
+        self._run.run(argv)
+
+    # --- triage -----------------------------------------------------------------------------
+
+    def selftest(self, node: str, key: str) -> Mapping[str, Any]:
+        validate_node_name(node)
+        reference = self.config.reference_node or self._pick_reference(node)
+        mine = self._selftest_on(node)
+        theirs = self._selftest_on(reference)
+        passed = mine["fingerprint"] == theirs["fingerprint"]
+        verdict = "matches" if passed else "differs from"
+        return {"passed": passed, "fingerprint": mine["fingerprint"], "reference": reference,
+                "reference_fingerprint": theirs["fingerprint"],
+                "detail": f"fingerprint {mine['fingerprint']} {verdict} {reference}'s {theirs['fingerprint']}"}
+
+    def _pick_reference(self, node: str) -> str:
+        for partition, names in sorted(self.schedulable_by_partition(node).items()):
+            for name in names:
+                if name != node:
+                    return name
+        raise PermanentBackendError(f"no healthy node to compare {node}'s self-test with")
+
+    def _selftest_on(self, node: str) -> Mapping[str, Any]:
+        argv = [a.replace("{node}", node) for a in self.config.selftest_command]
+        out = self._run.run(argv, check=False)
+        try:
+            data = json.loads(out.stdout.strip().splitlines()[-1])
+            fingerprint = str(data["fingerprint"])
+        except (ValueError, IndexError, KeyError, TypeError) as exc:
+            raise PermanentBackendError(
+                f"self-test on {node} gave no result (exit {out.returncode}): "
+                f"{(out.stderr or out.stdout).strip()[-300:] or 'no output'}") from exc
+        return data
+
+    # --- resuming the job -------------------------------------------------------------------
+
+    def resume(self, request: ResumeRequest, key: str) -> Mapping[str, Any]:
+        for node in request.exclude:
+            validate_node_name(node)
+        if self.config.resume_mode == "none":
+            return {"detail": "resume_mode=none: the job is not restarted by the controller"}
+        if self.config.resume_mode == "resubmit":
+            return self._resubmit(request, key)
+        return self._requeue(request, key)
+
+    def _job(self, job_id: str) -> dict[str, str]:
+        out = self._run.run([self._bin("scontrol"), "--oneliner", "show", "job", job_id]).stdout
+        fields: dict[str, str] = {}
+        for token in out.split():
+            name, sep, value = token.partition("=")
+            if sep and name not in fields:
+                fields[name] = value
+        return fields
+
+    def _requeue(self, request: ResumeRequest, key: str) -> Mapping[str, Any]:
+        job, marker = request.job_id, _marker(key)
+        if not job.isdigit():
+            raise PermanentBackendError(f"job id {job!r} is not a Slurm job id; use resume_mode=resubmit")
+        scontrol = self._bin("scontrol")
+        info = self._job(job)
+        held = info.get("Priority") == "0" or "Held" in info.get("Reason", "")
+        if info.get("Comment") != marker:
+            if info.get("JobState") in _FINISHED_JOB:
+                self._run.run([scontrol, "requeuehold", job])
+                held = True
+            update = [scontrol, "update", f"jobid={job}", f"comment={marker}"]
+            if request.exclude:
+                update.append(f"excnodelist={','.join(request.exclude)}")
+            self._run.run(update)
+        if held:
+            self._run.run([scontrol, "release", job])
+            # Slurm holds a requeued batch job back for the credential lifetime; start it now.
+            self._run.run([scontrol, "update", f"jobid={job}", "starttime=now"], check=False)
+        excluded = ", ".join(request.exclude) or "nothing"
+        return {"detail": f"requeued job {job} (excluding {excluded})", "job_id": job}
+
+    def _resubmit(self, request: ResumeRequest, key: str) -> Mapping[str, Any]:
+        marker = _marker(key)
+        out = self._run.run([self._bin("squeue"), "--noheader", "--all", "--states=all",
+                             "--format", f"%i{_SEP}%k"]).stdout
+        for line in out.splitlines():
+            job_id, _, comment = line.partition(_SEP)
+            if comment.strip() == marker:
+                return {"detail": f"already resubmitted as job {job_id.strip()}", "job_id": job_id.strip()}
+        ckpt = request.checkpoint or {}
+        values = {"{job_id}": request.job_id, "{step}": str(ckpt.get("step", "")),
+                  "{checkpoint}": str(ckpt.get("path", "")), "{exclude}": ",".join(request.exclude),
+                  "{marker}": marker, "{incident}": request.incident_id}
+        argv = []
+        for arg in self.config.resubmit_command:
+            if "{exclude}" in arg and not request.exclude:
+                continue
+            for placeholder, value in values.items():
+                arg = arg.replace(placeholder, value)
+            argv.append(arg)
+        result = self._run.run(argv)
+        new_id = result.stdout.strip().split(";")[0].split()[-1] if result.stdout.strip() else "?"
+        return {"detail": f"resubmitted job {request.job_id} as {new_id} from step "
+                          f"{ckpt.get('step')}", "job_id": new_id}
+
+
+def _marker(key: str) -> str:
+    # Slurm comments are free text; keep it one token so scontrol's key=value output parses.
+    return "replicheck:" + "".join(c if c.isalnum() or c in "-_.:" else "_" for c in key)
+
+
+def _schedulable(state: str) -> bool:
+    s = state.lower()
+    return not s.endswith("*") and not any(word in s for word in _UNSCHEDULABLE)

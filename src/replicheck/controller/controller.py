@@ -1,0 +1,265 @@
+"""The Controller: ingestion, one reconcile pass, operator commands. It wires the pure state
+machine (machine.py) to the store and the executor; it decides nothing itself."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+from replicheck.controller import ingest as _ingest
+from replicheck.controller.backends.base import Backend, NodeInfo
+from replicheck.controller.config import ControllerConfig
+from replicheck.controller.errors import ConfigError
+from replicheck.controller.executor import Deferred, Executor
+from replicheck.controller.machine import initial_record, transition
+from replicheck.controller.model import (
+    TERMINAL, ActionDone, ActionFailed, Approved, Dismissed, Event, Record, State, Tick, Transition,
+)
+from replicheck.controller.store import ActionRow, AuditRow, IncidentRow, Store
+from replicheck.incident import Incident
+
+MAX_ROUNDS = 50
+"""Bound on tick/execute rounds in one pass (each round advances at least one record)."""
+
+
+@dataclass(frozen=True)
+class IngestResult:
+    """What happened to one delivered incident."""
+
+    source: str
+    incident_id: str | None
+    """The incident's id, or None when rejected."""
+    new: bool = False
+    """False for a duplicate merged into an incident already stored."""
+    rejected: str | None = None
+    """Why the input was rejected (it is kept in the store's ``rejected`` table)."""
+
+
+@dataclass(frozen=True)
+class IncidentView:
+    """Everything known about one incident, for ``incidents show``."""
+
+    incident: IncidentRow
+    record: Record
+    actions: list[ActionRow]
+    audit: list[AuditRow]
+
+
+class Controller:
+    """One controller over one database. ``backend=None`` uses the local simulated cluster
+    kept in the same file (created on first use)."""
+
+    def __init__(
+        self,
+        db_path: str | Path,
+        backend: Backend | None = None,
+        config: ControllerConfig | None = None,
+        *,
+        on_transition: Callable[[Transition], None] | None = None,
+        clock: Callable[[], _dt.datetime] | None = None,
+    ) -> None:
+        self.db_path = Path(db_path)
+        self.config = config or ControllerConfig()
+        self.store = Store(self.db_path)
+        self._backend = backend
+        self._on_transition = on_transition
+        self._clock = clock or (lambda: _dt.datetime.now(_dt.timezone.utc))
+
+    @property
+    def backend(self) -> Backend:
+        if self._backend is None:
+            from replicheck.controller.backends.local import LocalBackend
+
+            self._backend = LocalBackend(self.db_path)
+        return self._backend
+
+    def close(self) -> None:
+        self.store.close()
+
+    def __enter__(self) -> Controller:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- ingestion --------------------------------------------------------------------------
+
+    def ingest(self, incident: Incident, source: str = "api") -> IngestResult:
+        """Store an incident (or merge a duplicate); the next reconcile pass acts on it."""
+        now = self._now()
+        with self.store.transaction():
+            new, merge = self.store.add_incident(incident, source, now)
+            if new:
+                self.store.save_record(initial_record(incident), now)
+                self.store.audit(now, self.config.actor, "ingested", f"from {source}", incident.id)
+            elif merge == "filled":
+                record = self.store.get_record(incident.id)
+                if record.resume is None and not any(k.endswith(":resume:" + record.job_id)
+                                                     for k in record.outstanding):
+                    checkpoint = dict(incident.recommended_checkpoint or {})
+                    self.store.save_record(record.evolve(checkpoint=checkpoint), now)
+                    self.store.audit(now, self.config.actor, "checkpoint added",
+                                     f"a later copy from {source} names checkpoint step {checkpoint.get('step')}",
+                                     incident.id)
+            elif merge == "differs":
+                self.store.audit(now, self.config.actor, "duplicate merged",
+                                 f"copy from {source} differs from the first; first copy kept", incident.id)
+        return IngestResult(source, incident.id, new=new)
+
+    def ingest_file(self, path: str | Path) -> IngestResult:
+        """Ingest one file; a malformed or unknown-version record is rejected and kept."""
+        return self._ingest_parsed(_ingest.parse_file(path))
+
+    def ingest_dir(self, directory: str | Path) -> list[IngestResult]:
+        """Ingest the new or changed ``*.json`` files of ``directory``."""
+        results = []
+        for cand in _ingest.scan(directory):
+            key = str(cand.path.resolve())
+            if self.store.file_seen(key, cand.mtime_ns, cand.size):
+                continue
+            results.append(self.ingest_file(cand.path))
+            with self.store.transaction():
+                self.store.mark_file_seen(key, cand.mtime_ns, cand.size)
+        return results
+
+    def _ingest_parsed(self, parsed: _ingest.Parsed) -> IngestResult:
+        if parsed.incident is not None:
+            return self.ingest(parsed.incident, parsed.source)
+        now = self._now()
+        with self.store.transaction():
+            if self.store.reject(parsed.source, parsed.error or "invalid", parsed.content, now):
+                self.store.audit(now, self.config.actor, "rejected input", f"{parsed.source}: {parsed.error}")
+        return IngestResult(parsed.source, None, rejected=parsed.error)
+
+    # --- reconciling ------------------------------------------------------------------------
+
+    def reconcile(self) -> list[Transition]:
+        """One pass: read watched directories, advance every open incident as far as it goes
+        without waiting, perform due actions. Returns the state changes made."""
+        for directory in self.config.incident_dirs:
+            self.ingest_dir(directory)
+        made: list[Transition] = []
+        for _ in range(MAX_ROUNDS):
+            progressed = False
+            for record in self.store.list_records():
+                if record.state in TERMINAL:
+                    continue
+                before = record
+                after = self._apply(record.incident_id, self._tick(), self.config.actor, made)
+                progressed |= after != before
+            for row in self.store.due_actions(self._now()):
+                progressed |= self._execute(row, made)
+            if not progressed:
+                break
+        return made
+
+    def run(self, stop: threading.Event | None = None, max_passes: int | None = None) -> None:
+        """Reconcile every ``poll_interval_s`` until ``stop`` is set (or ``max_passes`` ran)."""
+        stop = stop or threading.Event()
+        passes = 0
+        while not stop.is_set():
+            self.reconcile()
+            passes += 1
+            if max_passes is not None and passes >= max_passes:
+                return
+            stop.wait(self.config.poll_interval_s)
+
+    def _tick(self) -> Tick:
+        now = self._clock()
+        since = now - _dt.timedelta(seconds=self.config.replacement_window_s)
+        return Tick(
+            now=_iso(now),
+            auto_approve=self.config.auto_approve,
+            triage=self.config.triage,
+            replacements_in_window=self.store.replacements_since(_iso(since)),
+            max_replacements=self.config.max_replacements,
+            return_deadline=_iso(now + _dt.timedelta(seconds=self.config.return_timeout_s)),
+        )
+
+    def _execute(self, row: ActionRow, made: list[Transition]) -> bool:
+        outcome = Executor(self.store, self.backend, self.config, self._clock).perform(row)
+        now = self._now()
+        if isinstance(outcome, Deferred):
+            with self.store.transaction():
+                self.store.defer_action(row.key, outcome.note, outcome.next_at, uncount=outcome.uncount)
+                if outcome.note != row.last_error:
+                    self.store.audit(now, self.config.actor, f"{row.kind.value} {row.node or ''}".strip(),
+                                     outcome.note, row.incident_id)
+            return False
+        with self.store.transaction():
+            if isinstance(outcome, ActionDone):
+                self.store.finish_action(row.key, outcome.outcome, now)
+                detail = str(outcome.outcome.get("skipped") or outcome.outcome.get("detail") or "done")
+            else:
+                self.store.fail_action(row.key, outcome.reason, now)
+                detail = f"failed: {outcome.reason}"
+            self.store.audit(now, self.config.actor, f"{row.kind.value} {row.node or ''}".strip(), detail,
+                             row.incident_id)
+            if self.store.get_record(row.incident_id).state not in TERMINAL:
+                self._apply(row.incident_id, outcome, self.config.actor, made)
+        return True
+
+    def _apply(self, incident_id: str, event: Event, actor: str, made: list[Transition]) -> Record:
+        now = self._now()
+        with self.store.transaction():
+            record = self.store.get_record(incident_id)
+            step = transition(record, event)
+            if step.record == record and not step.actions:
+                return record
+            self.store.save_record(step.record, now)
+            self.store.add_actions(step.actions, now)
+            self.store.cancel_actions(step.cancel, now)
+            t = Transition(incident_id, record.state, step.record.state, step.record.reason, now)
+            changed = t.from_state is not t.to_state
+            if changed:
+                self.store.audit(now, actor, f"{t.from_state.value} -> {t.to_state.value}", t.reason, incident_id)
+            elif step.record.reason != record.reason:
+                self.store.audit(now, actor, record.state.value, step.record.reason, incident_id)
+        if changed:
+            made.append(t)
+            if self._on_transition is not None:
+                self._on_transition(t)
+        return step.record
+
+    # --- operator commands ------------------------------------------------------------------
+
+    def approve(self, incident_id: str, by: str) -> Record:
+        """Record a person's approval of the replacement (who and when)."""
+        return self._operator(incident_id, Approved(by=_who(by), at=self._now()))
+
+    def dismiss(self, incident_id: str, by: str) -> Record:
+        """Record that a person judged the incident a false alarm; the cordon is undone."""
+        return self._operator(incident_id, Dismissed(by=_who(by), at=self._now()))
+
+    def _operator(self, incident_id: str, event: Approved | Dismissed) -> Record:
+        made: list[Transition] = []
+        return self._apply(incident_id, event, event.by, made)
+
+    # --- queries ----------------------------------------------------------------------------
+
+    def records(self, states: Sequence[State] | None = None) -> list[Record]:
+        return self.store.list_records(states)
+
+    def show(self, incident_id: str) -> IncidentView:
+        return IncidentView(self.store.get_incident(incident_id), self.store.get_record(incident_id),
+                            self.store.actions(incident_id), self.store.audit_rows(incident_id))
+
+    def nodes(self) -> list[NodeInfo]:
+        return self.backend.list_nodes()
+
+    def _now(self) -> str:
+        return _iso(self._clock())
+
+
+def _who(by: str) -> str:
+    if not isinstance(by, str) or not by.strip():
+        raise ConfigError("an approval or dismissal needs the name of the person (--by NAME)")
+    return by.strip()
+
+
+def _iso(t: _dt.datetime) -> str:
+    return t.astimezone(_dt.timezone.utc).isoformat(timespec="microseconds")
+

@@ -1,0 +1,68 @@
+"""The real Slurm cluster fixture. Skips (with the reason) only outside CI when it cannot run;
+with CI=true a missing prerequisite is a failure."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+from slurmkit import SlurmCluster, missing_binaries
+
+
+def _unavailable() -> str | None:
+    missing = missing_binaries()
+    if missing:
+        return f"Slurm binaries missing ({', '.join(missing)}); run `make system-deps` as root"
+    if os.geteuid() != 0:
+        return "the test Slurm cluster needs root (slurmd runs jobs as any user)"
+    return None
+
+
+def _short_tmp() -> Path:
+    # Unix socket paths are limited to 108 bytes; pytest's tmp paths can be longer.
+    return Path(tempfile.mkdtemp(prefix="rc-slurm-", dir="/tmp"))
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster() -> Iterator[SlurmCluster]:
+    """A 4-node cluster (node1..node4 in partition debug) for the whole session."""
+    reason = _unavailable()
+    if reason:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI=true but the Slurm tests cannot run: {reason}")
+        pytest.skip(reason)
+    cluster = SlurmCluster(_short_tmp())
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+        shutil.rmtree(cluster.root, ignore_errors=True)
+
+
+@pytest.fixture
+def slurm(slurm_cluster: SlurmCluster) -> SlurmCluster:
+    """The session cluster with every node idle again."""
+    slurm_cluster.reset_nodes()
+    return slurm_cluster
+
+
+@pytest.fixture
+def private_slurm() -> Iterator[SlurmCluster]:
+    """A cluster of its own, for tests that stop its slurmctld."""
+    reason = _unavailable()
+    if reason:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI=true but the Slurm tests cannot run: {reason}")
+        pytest.skip(reason)
+    cluster = SlurmCluster(_short_tmp(), nodes=2)
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+        shutil.rmtree(cluster.root, ignore_errors=True)

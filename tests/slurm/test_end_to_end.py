@@ -1,0 +1,97 @@
+"""End to end on the test Slurm cluster: a 2-node job reports corruption on one node, the
+controller drains it, a person approves through the CLI, the node is failed with
+Action:Replace, the test plays the cloud and brings it back, the job is resubmitted from the
+recommended checkpoint and completes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from slurmkit import SlurmCluster
+
+from replicheck.codes import EXIT_CORRUPTION
+
+pytestmark = [pytest.mark.slurm, pytest.mark.timeout(240)]
+SRC = Path(__file__).resolve().parents[2] / "src"
+JOB = Path(__file__).with_name("fake_job.py")
+
+
+def cli(slurm: SlurmCluster, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**slurm.env, "PYTHONPATH": str(SRC)}
+    return subprocess.run([sys.executable, "-m", "replicheck", *args], capture_output=True, text=True,
+                          env=env, timeout=120)
+
+
+def wait_job(slurm: SlurmCluster, job: str, timeout: float = 60) -> dict[str, str]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        out = slurm.scontrol("--oneliner", "show", "job", job).stdout
+        fields = dict(t.split("=", 1) for t in out.split() if "=" in t)
+        if fields.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"):
+            return fields
+        time.sleep(0.2)
+    raise TimeoutError(f"job {job} did not finish: {out}")
+
+
+def test_detect_drain_approve_replace_resubmit(slurm: SlurmCluster, tmp_path: Path) -> None:
+    """The whole procedure on real Slurm, driven by the CLI; the replacement happens once and the resubmitted job completes."""
+    incidents, out = tmp_path / "incidents", tmp_path / "out"
+    incidents.mkdir()
+    out.mkdir()
+    task = f"{sys.executable} {JOB} --incident-dir {incidents} --out {out} --rank $SLURM_PROCID"
+    wrap = f"srun -N2 -n2 bash -c '{task}'"
+    env_export = f"--export=ALL,PYTHONPATH={SRC}"
+    job = slurm.run("sbatch", "--parsable", "-N2", env_export, "-o", str(out / "first.log"),
+                    "--wrap", wrap).stdout.strip().split(";")[0]
+    fields = wait_job(slurm, job)
+    assert fields["ExitCode"] == f"{EXIT_CORRUPTION}:0", fields
+    (incident_file,) = incidents.glob("*.json")
+    bad = fields["NodeList"]  # e.g. node[1-2]; the incident names the second node
+    config = tmp_path / "controller.toml"
+    resume_wrap = f"srun -N2 -n2 bash -c '{task} --resume-step {{step}}'"
+    config.write_text(
+        "[controller]\nbackend = 'slurm'\napply = true\nretry_base_delay_s = 0.2\nreturn_poll_s = 0.2\n"
+        f"incident_dirs = ['{incidents}']\n"
+        "[slurm]\nresume_mode = 'resubmit'\n"
+        f"resubmit_command = ['sbatch', '--parsable', '-N2', '--exclude={{exclude}}', '--comment={{marker}}', "
+        f"'{env_export}', '-o', '{out}/resumed.log', '--wrap', \"{resume_wrap}\"]\n")
+    db = str(tmp_path / "ctl.db")
+    run = cli(slurm, "controller", "run", "--db", db, "--config", str(config), "--once")
+    assert run.returncode == 0, run.stderr
+    incident_id = incident_file.stem
+    suspect = cli(slurm, "incidents", "show", incident_id, "--db", db).stdout
+    node = next(line.split()[-1] for line in suspect.splitlines() if line.strip().startswith("nodes:"))
+    assert node in ("node1", "node2", "node3", "node4") and bad
+    assert slurm.node_states()[node] == ("drained", "replicheck: suspected silent data corruption")
+    assert "awaiting_approval" in suspect
+
+    approve = cli(slurm, "incidents", "approve", incident_id, "--by", "alice", "--db", db)
+    assert approve.returncode == 0, approve.stderr
+    run = cli(slurm, "controller", "run", "--db", db, "--config", str(config), "--once")
+    assert "approved -> replacing" in run.stdout, run.stdout + run.stderr
+    assert slurm.node_states()[node] == ("fail", "Action:Replace")
+
+    slurm.scontrol("update", f"nodename={node}", "state=resume")  # the cloud brings the node back
+    proc = subprocess.Popen([sys.executable, "-m", "replicheck", "controller", "run", "--db", db, "--config",
+                             str(config), "--interval", "0.2", "--passes", "30"],
+                            env={**slurm.env, "PYTHONPATH": str(SRC)}, stdout=subprocess.PIPE, text=True)
+    try:
+        stdout, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "replaced -> resumed" in stdout, stdout
+    shown = json.loads(cli(slurm, "incidents", "show", incident_id, "--json", "--db", db).stdout)
+    new_job = shown["record"]["resume"]["job_id"]
+    done = wait_job(slurm, new_job)
+    assert done["JobState"] == "COMPLETED" and done["Comment"].startswith("replicheck:")
+    resumed = sorted(p.read_text().split()[1] for p in out.glob("resumed-*"))
+    assert resumed == ["20", "20"]
+    assert "Action:Replace" not in slurm.node_states()[node][1]
+    assert [a["kind"] for a in shown["actions"]].count("replace") == 1
+    assert shown["record"]["approved_by"] == "alice"
