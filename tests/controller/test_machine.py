@@ -65,6 +65,15 @@ def test_ambiguous_and_transient_are_triaged(classification: str) -> None:
     assert sorted(a.node for a in step.actions if a.kind is ActionKind.SELFTEST) == ["n1", "n2"]
 
 
+def test_persistent_is_triaged_when_the_operator_asks() -> None:
+    """With triage_persistent on, a persistent incident is self-tested before approval too."""
+    r = initial_record(make_incident(classification="persistent"))
+    r = transition(done(transition(r, tick())), tick()).record
+    step = transition(r, tick(triage_persistent=True))
+    assert step.record.state is State.TRIAGING
+    assert [a.kind for a in step.actions] == [ActionKind.SELFTEST]
+
+
 def test_triage_can_be_turned_off() -> None:
     """With triage off a transient incident goes straight to awaiting_approval."""
     r = initial_record(make_incident(classification="transient"))

@@ -20,6 +20,8 @@ class ControllerConfig:
     """Replace without a recorded human approval (the operator opted into automatic recovery)."""
     triage: bool = True
     """Run the known-answer self-test on the suspects of ambiguous or transient incidents."""
+    triage_persistent: bool = False
+    """Also self-test the suspects of persistent incidents, so every approval request shows it."""
     max_replacements: int = 1
     """At most this many node replacements within ``replacement_window_s`` (blast radius)."""
     replacement_window_s: float = 86400.0

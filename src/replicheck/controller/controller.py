@@ -174,6 +174,7 @@ class Controller:
             now=_iso(now),
             auto_approve=self.config.auto_approve,
             triage=self.config.triage,
+            triage_persistent=self.config.triage_persistent,
             replacements_in_window=self.store.replacements_since(_iso(since)),
             max_replacements=self.config.max_replacements,
             return_deadline=_iso(now + _dt.timedelta(seconds=self.config.return_timeout_s)),

@@ -157,7 +157,7 @@ def _on_tick(record: Record, tick: Tick) -> Step:
                          f"cordoning {', '.join(todo)}")
         return _move(record, State.CORDONED, _cordon_summary(record))
     if state is State.CORDONED:
-        if tick.triage and record.classification in NEEDS_TRIAGE and record.targets:
+        if tick.triage and record.targets and (record.classification in NEEDS_TRIAGE or tick.triage_persistent):
             actions = tuple(_action(record, ActionKind.SELFTEST, n) for n in record.targets)
             return _move(record, State.TRIAGING, f"{record.classification}: self-test on "
                          f"{', '.join(record.targets)}", actions)

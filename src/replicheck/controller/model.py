@@ -172,6 +172,7 @@ class Tick:
     now: str
     auto_approve: bool = False
     triage: bool = True
+    triage_persistent: bool = False
     replacements_in_window: int = 0
     max_replacements: int = 1
     return_deadline: str = ""

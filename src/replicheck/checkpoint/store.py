@@ -1,0 +1,530 @@
+"""The checkpoint store: collective, atomic, verified saves; the clean resume point; verified
+loads that fall back to the next older checkpoint; retention that keeps the resume point."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import re
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+
+import torch
+
+from replicheck import fingerprint as fp
+from replicheck.checkpoint import atomic
+from replicheck.checkpoint.errors import (
+    CheckpointConfigError,
+    CheckpointCorrupt,
+    CheckpointError,
+    CheckpointMismatch,
+    CheckpointNotFound,
+    CheckpointWarning,
+    CheckpointWriteError,
+    ManifestError,
+    NoValidCheckpoint,
+)
+from replicheck.checkpoint.manifest import MANIFEST_NAME, PAYLOAD_NAME, Manifest, digest_hex
+from replicheck.checkpoint.policy import POLICIES, Policy, check_policy, clean_bound, eligible
+from replicheck.incident import Incident, IncidentFormatError, read_incident
+
+if TYPE_CHECKING:
+    from replicheck.guard import Guard
+
+log = logging.getLogger("replicheck.checkpoint")
+
+SUPERSEDED = "superseded"
+_NAME = re.compile(r"^step-(\d{9,})$")
+_PAYLOAD_FORMAT = "replicheck.checkpoint.payload"
+
+IncidentLike = Incident | Mapping[str, Any] | str | bytes | os.PathLike[str]
+"""An :class:`Incident`, its dict, its JSON text, or the path of the JSON file."""
+
+
+def _dir_name(step: int) -> str:
+    return f"step-{step:09d}"
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """One committed checkpoint on disk."""
+
+    step: int
+    """The step whose update it holds (the state after step ``step``)."""
+    path: Path
+    """Its directory (``<store>/step-000000020``)."""
+    manifest: Manifest
+    """Its manifest as read when it was listed."""
+
+    @property
+    def last_verified_step(self) -> int | None:
+        """The guard's newest passing verification when it was saved."""
+        return self.manifest.last_verified_step
+
+    def ref(self) -> dict[str, Any]:
+        """``{"step": int, "path": str}``, the incident's ``recommended_checkpoint`` value."""
+        return {"step": self.step, "path": str(self.path)}
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """What :meth:`CheckpointStore.load` actually restored."""
+
+    checkpoint: Checkpoint
+    """The checkpoint restored (older than the one asked for when that one was refused)."""
+    extra: Any
+    """The ``extra`` object given to :meth:`CheckpointStore.save`."""
+    refused: tuple[str, ...] = ()
+    """Why each newer candidate was refused, one message per checkpoint."""
+
+
+class _Collective:
+    """Rank, world size and an all-gather, from the guard's group, the default group, or none."""
+
+    def __init__(self, guard: Guard | None) -> None:
+        import torch.distributed as dist
+
+        self._gather: Callable[[Any], list[Any]]
+        if guard is not None:
+            self.rank, self.world_size = guard.rank, guard.world_size
+            self._gather = guard.comm.gather_objects
+        elif dist.is_available() and dist.is_initialized():
+            self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+
+            def gather(obj: Any) -> list[Any]:
+                out: list[Any] = [None] * self.world_size
+                dist.all_gather_object(out, obj)
+                return out
+
+            self._gather = gather
+        else:
+            self.rank, self.world_size = 0, 1
+            self._gather = lambda obj: [obj]
+
+    def gather(self, obj: Any) -> list[Any]:
+        return self._gather(obj) if self.world_size > 1 else [obj]
+
+
+def _bare(model: torch.nn.Module) -> torch.nn.Module:
+    inner = getattr(model, "module", None)
+    return inner if isinstance(inner, torch.nn.Module) and hasattr(model, "no_sync") else model
+
+
+def _weights_digest(tensors: Sequence[torch.Tensor]) -> str:
+    return digest_hex(int(fp.combine(fp.digests(list(tensors)))))
+
+
+def _optimizer_digest(state: Mapping[Any, Any]) -> str:
+    """Digest of an optimizer ``state_dict()['state']``: parameter indices in order, keys sorted."""
+    tensors: list[torch.Tensor | None] = []
+    for index in sorted(state, key=lambda k: (str(type(k)), k)):
+        entry = state[index]
+        if isinstance(entry, Mapping):
+            for key in sorted(entry, key=str):
+                if isinstance(entry[key], torch.Tensor):
+                    tensors.append(entry[key])
+    return _weights_digest([t for t in tensors if t is not None])
+
+
+def _check_extra(value: Any, where: str = "extra") -> None:
+    """``extra`` must load under ``torch.load(weights_only=True)``: plain containers, scalars, tensors."""
+    if value is None or isinstance(value, (bool, int, float, str, torch.Tensor)):
+        return
+    if isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _check_extra(v, f"{where}[{i}]")
+        return
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if not isinstance(k, (str, int)):
+                raise CheckpointConfigError(f"{where}: keys must be str or int, got {type(k).__name__}")
+            _check_extra(v, f"{where}[{k!r}]")
+        return
+    raise CheckpointConfigError(
+        f"{where}: {type(value).__name__} cannot be stored (use dicts, lists, numbers, strings, tensors)"
+    )
+
+
+def _as_incident(incident: IncidentLike) -> Incident:
+    try:
+        if isinstance(incident, Incident):
+            return incident
+        if isinstance(incident, Mapping):
+            return Incident.from_dict(incident)
+        if isinstance(incident, bytes):
+            return Incident.from_json(incident)
+        if isinstance(incident, str) and incident.lstrip().startswith("{"):
+            return Incident.from_json(incident)
+        if isinstance(incident, (str, os.PathLike)):
+            return read_incident(incident)
+    except IncidentFormatError as exc:
+        raise CheckpointConfigError(f"bad incident: {exc}") from exc
+    raise CheckpointConfigError(f"incident must be an Incident, a dict, JSON text or a path, not {type(incident).__name__}")
+
+
+class CheckpointStore:
+    """Verified checkpoints in one directory, one subdirectory per step.
+
+    Layout: ``<directory>/step-<9+ digits>/{manifest.json,state.pt}``; checkpoints of an abandoned
+    timeline (newer than a checkpoint resumed from) are moved to ``<directory>/superseded/``.
+    With DDP, every rank calls :meth:`save` (rank 0 writes) and every rank may :meth:`load`.
+    """
+
+    def __init__(self, directory: str | os.PathLike[str], keep: int = 5) -> None:
+        if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
+            raise CheckpointConfigError(f"keep must be an integer >= 1, got {keep!r}")
+        self.directory = Path(directory)
+        self.keep = keep
+        self.writer_rank = 0
+        self.loaded: Loaded | None = None
+        """The last checkpoint restored by :meth:`load` in this process."""
+        self._verified: dict[Path, tuple[int, int, str]] = {}
+
+    # -- listing ------------------------------------------------------------------------------
+    def _require_dir(self) -> None:
+        if not self.directory.is_dir():
+            raise CheckpointNotFound(f"checkpoint directory {self.directory} does not exist")
+
+    def _read_manifest(self, path: Path) -> Manifest:
+        try:
+            text = (path / MANIFEST_NAME).read_bytes()
+        except FileNotFoundError:
+            raise ManifestError(f"{path}: no {MANIFEST_NAME}") from None
+        except OSError as exc:
+            raise ManifestError(f"{path}: cannot read {MANIFEST_NAME}: {exc}") from exc
+        try:
+            manifest = Manifest.from_json(text)
+        except ManifestError as exc:
+            raise ManifestError(f"{path / MANIFEST_NAME}: {exc}") from None
+        match = _NAME.match(path.name)
+        if match is None or int(match.group(1)) != manifest.step:
+            raise ManifestError(f"{path}: manifest says step {manifest.step}, the directory name disagrees")
+        return manifest
+
+    def scan(self) -> tuple[list[Checkpoint], list[str]]:
+        """All committed checkpoints with a readable manifest (oldest first), and one message per
+        checkpoint directory whose manifest is unreadable."""
+        self._require_dir()
+        found: list[Checkpoint] = []
+        bad: list[str] = []
+        for entry in self.directory.iterdir():
+            match = _NAME.match(entry.name)
+            if match is None or not entry.is_dir():
+                continue
+            try:
+                manifest = self._read_manifest(entry)
+            except ManifestError as exc:
+                bad.append(str(exc))
+                continue
+            found.append(Checkpoint(step=manifest.step, path=entry, manifest=manifest))
+        found.sort(key=lambda c: c.step)
+        return found, bad
+
+    def checkpoints(self) -> list[Checkpoint]:
+        """Committed checkpoints with a readable manifest, oldest first (payloads not verified)."""
+        return self.scan()[0]
+
+    # -- saving -------------------------------------------------------------------------------
+    def save(
+        self,
+        step: int,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        guard: Guard | None = None,
+        extra: Any = None,
+    ) -> Checkpoint:
+        """Collective: checkpoint the state after step ``step``'s update.
+
+        With ``guard``, first runs ``guard.check_replicas()`` (collective; raises
+        ``CorruptionDetected`` and writes nothing when replicas disagree). Rank 0 writes atomically
+        and applies retention; a write failure is raised on every rank as
+        :class:`CheckpointWriteError`. Returns the committed checkpoint on every rank.
+        """
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise CheckpointConfigError(f"step must be a non-negative integer, got {step!r}")
+        _check_extra(extra)
+        coll = _Collective(guard)
+        checked = False
+        if guard is not None:
+            guard.check_replicas()
+            checked = coll.world_size > 1
+        outcome: tuple[bool, Any] | None = None
+        if coll.rank == self.writer_rank:
+            try:
+                outcome = (True, self._write(step, model, optimizer, guard, extra, checked, coll.world_size).to_dict())
+            except Exception as exc:  # noqa: BLE001 - reported on every rank below
+                log.error("checkpoint at step %d not written: %s", step, exc)
+                outcome = (False, f"{type(exc).__name__}: {exc}")
+        ok, value = coll.gather(outcome)[self.writer_rank]
+        if not ok:
+            raise CheckpointWriteError(f"rank {self.writer_rank} could not write the checkpoint of step {step}: {value}")
+        manifest = Manifest.from_dict(value)
+        return Checkpoint(step=step, path=self.directory / _dir_name(step), manifest=manifest)
+
+    def _lineage_verified(self, guard: Guard | None) -> int | None:
+        if guard is not None and guard.last_verified_step is not None:
+            return guard.last_verified_step
+        if self.loaded is not None:
+            return self.loaded.checkpoint.last_verified_step
+        return None
+
+    def _write(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, guard: Guard | None,
+               extra: Any, checked: bool, world_size: int) -> Manifest:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        atomic.clean_leftovers(self.directory)
+        bare = _bare(model)
+        params = [p for _, p in bare.named_parameters()]
+        opt_state = optimizer.state_dict()
+        payload = {"format": _PAYLOAD_FORMAT, "step": step, "model": bare.state_dict(),
+                   "optimizer": opt_state, "extra": extra}
+        staged = atomic.staging_dir(self.directory, _dir_name(step))
+        try:
+            atomic.write_file(staged / PAYLOAD_NAME, lambda fh: torch.save(payload, fh))
+            sha, size = atomic.sha256_file(staged / PAYLOAD_NAME)
+            manifest = Manifest(
+                step=step,
+                weights_digest=_weights_digest(params),
+                optimizer_digest=_optimizer_digest(opt_state["state"]),
+                last_verified_step=self._lineage_verified(guard),
+                verify_every=guard.config.verify_every if guard is not None else None,
+                payload_sha256=sha,
+                payload_bytes=size,
+                num_params=len(params),
+                world_size=world_size,
+                replicas_checked=checked,
+            )
+            atomic.write_file(staged / MANIFEST_NAME, lambda fh: fh.write(manifest.to_json().encode()))
+            self._supersede(lambda s: s >= step)
+            atomic.commit(staged, self.directory / _dir_name(step))
+        except BaseException:
+            if staged.exists():
+                atomic.remove_tree(staged)
+            raise
+        self._retain(manifest)
+        return manifest
+
+    def _supersede(self, newer: Callable[[int], bool]) -> list[Path]:
+        """Move checkpoints of an abandoned timeline into ``superseded/`` (kept for forensics)."""
+        moved = []
+        for entry in sorted(self.directory.iterdir()):
+            match = _NAME.match(entry.name)
+            if match is not None and entry.is_dir() and newer(int(match.group(1))):
+                moved.append(atomic.move_aside(entry, self.directory / SUPERSEDED))
+                self._verified.pop(entry, None)
+                log.warning("checkpoint %s belongs to an abandoned timeline: moved to %s", entry, moved[-1])
+        if moved:
+            old = sorted((p for p in (self.directory / SUPERSEDED).iterdir() if p.is_dir()),
+                         key=lambda p: p.stat().st_mtime)
+            for p in old[: max(0, len(old) - self.keep)]:
+                atomic.remove_tree(p)
+        return moved
+
+    def retire_after(self, step: int) -> list[Path]:
+        """Move checkpoints newer than ``step`` (``-1``: all) into ``superseded/``: they belong to a
+        timeline abandoned by resuming from ``step``. Call it on one rank only (rank 0)."""
+        self._require_dir()
+        return self._supersede(lambda s: s > step)
+
+    def protected(self, latest: Manifest | None = None) -> list[Checkpoint]:
+        """Checkpoints retention must keep beyond the newest ``keep``: the resume points, under
+        both policies, of an incident that would strike right after ``latest`` was saved."""
+        found = self.checkpoints()
+        if not found:
+            return []
+        latest = latest or found[-1].manifest
+        if latest.last_verified_step is None:
+            return []
+        probe = Incident(id="retention", job_id="retention", step=latest.step + 1, check="replay",
+                         suspect_ranks=(), suspect_nodes=(), classification="ambiguous",
+                         last_verified_step=latest.last_verified_step)
+        keep = []
+        manifests = [c.manifest for c in found]
+        for policy in POLICIES:
+            bound = clean_bound(probe, manifests, policy)
+            ok = [c for c in found if eligible(c.step, probe, bound)]
+            if ok:
+                keep.append(ok[-1])
+        return keep
+
+    def _retain(self, latest: Manifest) -> None:
+        found, _ = self.scan()
+        keep = {c.path for c in found[-self.keep:]} | {c.path for c in self.protected(latest)}
+        for c in found:
+            if c.path not in keep:
+                atomic.remove_tree(c.path)
+                self._verified.pop(c.path, None)
+                log.info("retention: removed checkpoint of step %d", c.step)
+
+    # -- choosing -----------------------------------------------------------------------------
+    def resume_point(self, incident: IncidentLike | None = None, policy: Policy = "last_pass") -> Checkpoint | None:
+        """The checkpoint to resume from, or ``None`` when no valid one qualifies (start over).
+
+        Without an incident: the newest valid checkpoint. With one: the newest valid checkpoint
+        whose step is not after the last passing verification before it (``"last_pass"``) or
+        the one before that (``"two_passes"``). "Valid" means its manifest reads and its payload
+        matches the manifest's size and SHA-256; refused ones are skipped with a warning.
+        """
+        check_policy(policy)
+        inc = _as_incident(incident) if incident is not None else None
+        found, bad = self.scan()
+        for message in bad:
+            log.warning("refused: %s", message)
+        bound = clean_bound(inc, [c.manifest for c in found], policy)
+        for c in reversed(found):
+            if not eligible(c.step, inc, bound):
+                continue
+            try:
+                self._check_payload(c.path, c.manifest)
+            except CheckpointError as exc:
+                self._refuse(f"{c.path}: {exc}")
+                continue
+            return c
+        return None
+
+    def annotate(self, incident: IncidentLike, policy: Policy = "last_pass") -> Incident:
+        """The incident with ``recommended_checkpoint`` filled in (``None`` when none qualifies)."""
+        inc = _as_incident(incident)
+        ckpt = self.resume_point(inc, policy=policy)
+        return dataclasses.replace(inc, recommended_checkpoint=ckpt.ref() if ckpt is not None else None)
+
+    # -- loading ------------------------------------------------------------------------------
+    def _refuse(self, message: str) -> None:
+        log.warning("checkpoint refused: %s", message)
+        warnings.warn(f"checkpoint refused: {message}", CheckpointWarning, stacklevel=3)
+
+    def _check_payload(self, path: Path, manifest: Manifest) -> Path:
+        payload = path / manifest.payload
+        try:
+            st = payload.stat()
+        except OSError as exc:
+            raise CheckpointCorrupt(f"payload {manifest.payload} missing: {exc.strerror}") from None
+        if st.st_size != manifest.payload_bytes:
+            raise CheckpointCorrupt(
+                f"payload is {st.st_size} bytes, the manifest says {manifest.payload_bytes} (truncated or replaced)")
+        key = (st.st_size, st.st_mtime_ns, manifest.payload_sha256)
+        if self._verified.get(path) == key:
+            return payload
+        sha, _ = atomic.sha256_file(payload)
+        if sha != manifest.payload_sha256:
+            raise CheckpointCorrupt("payload SHA-256 does not match the manifest (bytes changed on disk)")
+        self._verified[path] = key
+        return payload
+
+    def _read_verified(self, ckpt: Checkpoint, model: torch.nn.Module) -> tuple[Manifest, dict[str, Any]]:
+        """Manifest, checksum, structure and fingerprints, all before anything is restored."""
+        if not ckpt.path.is_dir():
+            raise CheckpointCorrupt("directory is missing")
+        manifest = self._read_manifest(ckpt.path)
+        if manifest.step != ckpt.step:
+            raise CheckpointCorrupt(f"manifest now says step {manifest.step}, expected {ckpt.step}")
+        payload_path = self._check_payload(ckpt.path, manifest)
+        try:
+            payload = torch.load(payload_path, map_location="cpu", weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - any unpickling failure means a bad payload
+            raise CheckpointCorrupt(f"payload does not load: {type(exc).__name__}: {str(exc)[:200]}") from None
+        if not isinstance(payload, dict) or payload.get("format") != _PAYLOAD_FORMAT:
+            raise CheckpointCorrupt("payload is not a replicheck checkpoint payload")
+        if payload.get("step") != manifest.step:
+            raise CheckpointCorrupt(f"payload holds step {payload.get('step')!r}, the manifest says {manifest.step}")
+        state, opt = payload.get("model"), payload.get("optimizer")
+        if not isinstance(state, Mapping) or not isinstance(opt, Mapping) or not isinstance(opt.get("state"), Mapping):
+            raise CheckpointCorrupt("payload lacks the model or optimizer state")
+        names = [n for n, _ in _bare(model).named_parameters()]
+        missing = [n for n in names if not isinstance(state.get(n), torch.Tensor)]
+        if missing:
+            raise CheckpointMismatch(f"{ckpt.path}: the model's parameters {missing[:3]} are not in the checkpoint")
+        if len(names) != manifest.num_params:
+            raise CheckpointMismatch(
+                f"{ckpt.path}: the model has {len(names)} parameter tensors, the checkpoint {manifest.num_params}")
+        if _weights_digest([state[n] for n in names]) != manifest.weights_digest:
+            raise CheckpointCorrupt("weight fingerprint does not match the manifest")
+        if _optimizer_digest(opt["state"]) != manifest.optimizer_digest:
+            raise CheckpointCorrupt("optimizer-state fingerprint does not match the manifest")
+        return manifest, payload
+
+    def load(
+        self,
+        ckpt: Checkpoint | None,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        retire_newer: bool = True,
+    ) -> int:
+        """Verify and restore ``ckpt`` into ``model`` (and ``optimizer``); return the step restored.
+
+        A checkpoint that fails verification (corruption at rest, a truncated payload, a manifest
+        whose fingerprint disagrees) is refused with a :class:`CheckpointWarning` naming it and
+        the reason, and the next older valid one is used: the returned step is then smaller than
+        ``ckpt.step``. Nothing is restored until a checkpoint passes every check; the restored
+        weights are fingerprinted again. With ``retire_newer``, rank 0 moves checkpoints newer
+        than the restored one (an abandoned timeline) into ``superseded/``.
+        Raises :class:`NoValidCheckpoint` when every candidate is refused,
+        :class:`CheckpointMismatch` when a valid checkpoint does not fit the model or optimizer.
+        """
+        if ckpt is None:
+            raise CheckpointNotFound(f"no checkpoint to load from {self.directory} (resume_point found none)")
+        if not isinstance(ckpt, Checkpoint):
+            raise CheckpointConfigError(f"load() needs a Checkpoint, got {type(ckpt).__name__}")
+        self._require_dir()
+        older = [c for c in reversed(self.checkpoints()) if c.step < ckpt.step]
+        refused: list[str] = []
+        candidates = [ckpt, *older]
+        for i, cand in enumerate(candidates):
+            try:
+                manifest, payload = self._read_verified(cand, model)
+            except (CheckpointCorrupt, ManifestError) as exc:
+                message = f"{cand.path}: {exc}"
+                refused.append(message)
+                more = i + 1 < len(candidates)
+                self._refuse(message + ("; trying the next older checkpoint" if more else "; no older checkpoint left"))
+                continue
+            self._restore(cand, manifest, payload, model, optimizer)
+            chosen = dataclasses.replace(cand, manifest=manifest)
+            self.loaded = Loaded(checkpoint=chosen, extra=payload.get("extra"), refused=tuple(refused))
+            if retire_newer and _Collective(None).rank == self.writer_rank:
+                self.retire_after(chosen.step)
+            return chosen.step
+        raise NoValidCheckpoint(
+            f"no valid checkpoint at or before step {ckpt.step} in {self.directory}", refused)
+
+    def _restore(self, ckpt: Checkpoint, manifest: Manifest, payload: dict[str, Any], model: torch.nn.Module,
+                 optimizer: torch.optim.Optimizer | None) -> None:
+        bare = _bare(model)
+        own = bare.state_dict()
+        state = payload["model"]
+        if set(own) != set(state):
+            extra_keys, missing = sorted(set(state) - set(own)), sorted(set(own) - set(state))
+            raise CheckpointMismatch(
+                f"{ckpt.path}: state keys differ from the model (missing {missing[:3]}, unexpected {extra_keys[:3]})")
+        for key, value in own.items():
+            theirs = state[key]
+            if isinstance(value, torch.Tensor) and (not isinstance(theirs, torch.Tensor) or theirs.shape != value.shape):
+                raise CheckpointMismatch(f"{ckpt.path}: {key} has shape {getattr(theirs, 'shape', None)}, "
+                                         f"the model {tuple(value.shape)}")
+        if optimizer is not None:
+            groups, saved = optimizer.param_groups, payload["optimizer"].get("param_groups")
+            if not isinstance(saved, list) or len(saved) != len(groups) or any(
+                    not isinstance(s, Mapping) or len(s.get("params", ())) != len(g["params"])
+                    for s, g in zip(saved, groups)):
+                raise CheckpointMismatch(f"{ckpt.path}: optimizer parameter groups do not match the optimizer")
+        bare.load_state_dict(state)
+        if optimizer is not None:
+            try:
+                optimizer.load_state_dict(payload["optimizer"])
+            except (ValueError, KeyError, TypeError, RuntimeError) as exc:
+                raise CheckpointMismatch(f"{ckpt.path}: optimizer state does not fit: {exc}") from None
+        restored = _weights_digest([p for _, p in bare.named_parameters()])
+        if restored != manifest.weights_digest:
+            raise CheckpointMismatch(
+                f"{ckpt.path}: weights after restoring fingerprint to {restored}, the manifest says "
+                f"{manifest.weights_digest} (the model's dtype or device changes the values)")
+
+
+def resume_point(directory: str | os.PathLike[str], incident: IncidentLike | None = None,
+                 policy: Policy = "last_pass") -> Checkpoint | None:
+    """:meth:`CheckpointStore.resume_point` for a directory."""
+    return CheckpointStore(directory).resume_point(incident, policy=policy)

@@ -1,0 +1,34 @@
+"""``replicheck demo``: the whole detection-to-recovery story on one machine."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("demo", help="detect, cordon, triage, approve, replace and resume on a local cluster")
+    p.add_argument("--scenario", default="aws-persistent-3n", help="campaign scenario to play")
+    p.add_argument("--out", default="demo-out", help="output directory (recreated)")
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--yes", action="store_true", help="approve without asking (also when no terminal)")
+    p.add_argument("--json", action="store_true", help="print the facts as JSON at the end")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from replicheck.demo import DemoConfig, run_demo
+
+    def ask(prompt: str) -> bool:
+        return input(prompt).strip().lower() in ("y", "yes")
+
+    interactive = sys.stdin.isatty() and not args.yes
+    cfg = DemoConfig(scenario=args.scenario, out_dir=args.out, steps=args.steps,
+                     approve=ask if interactive else None, approver="operator" if interactive else "demo --yes")
+    facts = run_demo(cfg)
+    if args.json:
+        print(json.dumps({k: v for k, v in facts.items() if k not in ("timeline", "losses")}, indent=2, default=str))
+    if facts.get("detected") and facts.get("final_equal") is False:
+        return 1
+    return 0
