@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -90,25 +91,26 @@ def batch_for(spec: JobSpec, step: int, rank: int) -> list[dict[str, torch.Tenso
     return parts
 
 
-def _checkpointing(spec: JobSpec, model: torch.nn.Module, opt: torch.optim.Optimizer,
-                   result: JobResult) -> tuple[Any, GuardConfig]:
+def _checkpointing(spec: JobSpec, gcfg: GuardConfig, model: torch.nn.Module, opt: torch.optim.Optimizer,
+                   result: JobResult, ctx_rank: int) -> tuple[Any, GuardConfig]:
     """The job's checkpoint store (or None) and the guard config, resumed when asked."""
-    assert spec.guard is not None
     if spec.checkpoint_dir is None:
-        return None, spec.guard
+        return None, gcfg
     from dataclasses import replace
 
     from replicheck.checkpoint import CheckpointStore
 
     store = CheckpointStore(spec.checkpoint_dir, keep=spec.checkpoint_keep)
     if not spec.resume or not store.directory.is_dir():
-        return store, spec.guard
+        return store, gcfg
     point = store.resume_point(spec.resume_incident, policy=spec.resume_policy)  # type: ignore[arg-type]
     if point is None:
-        return store, spec.guard
+        if spec.resume_incident is not None and ctx_rank == 0:
+            store.retire_after(-1)  # none is clean: every checkpoint belongs to the abandoned run
+        return store, gcfg
     step = store.load(point, model, opt)
     result.resumed_from = step
-    return store, replace(spec.guard, start_step=step + 1)
+    return store, replace(gcfg, start_step=step + 1)
 
 
 def train(ctx: RankContext, spec: JobSpec) -> JobResult:
@@ -124,11 +126,11 @@ def train(ctx: RankContext, spec: JobSpec) -> JobResult:
             opt.step()
             result.losses[s], result.last_step = float(loss), s
     else:
-        store, gcfg = _checkpointing(spec, model, opt, result)
-        guard = Guard(model, opt, lm_loss, config=gcfg, node=ctx.node)
+        store, gcfg = _checkpointing(spec, spec.guard, model, opt, result, ctx.rank)
         if store is not None and store.loaded is not None:
             # The resumed guard continues the lineage's verification record.
-            guard.last_verified_step = store.loaded.checkpoint.last_verified_step
+            gcfg = dataclasses.replace(gcfg, resume_verified_step=store.loaded.checkpoint.last_verified_step)
+        guard = Guard(model, opt, lm_loss, config=gcfg, node=ctx.node)
         if spec.setup is not None:
             result.setup_result = spec.setup(ctx, model, opt, guard)
         start = gcfg.start_step

@@ -27,6 +27,9 @@ class GuardConfig:
     ``auto``: ``extra`` when the model has a BatchNorm layer in train mode, else ``split``."""
     start_step: int = 0
     """Index of the first step this guard runs (a resumed job passes ``checkpoint step + 1``)."""
+    resume_verified_step: int | None = None
+    """When resuming: the newest passing verification step of the run being continued (from the
+    checkpoint's manifest), so an incident before this run's first verification still says it."""
     incident_dir: str | None = None
     """Directory the incident JSON is written to (by one healthy rank), or ``None``."""
     job_id: str | None = None

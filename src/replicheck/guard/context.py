@@ -6,7 +6,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator, Literal
 
-Pass = Literal["idle", "train", "probe", "replay", "optimizer", "selftest"]
+Pass = Literal["idle", "train", "probe", "replay", "optimizer", "rebuild", "selftest"]
 
 
 @dataclass

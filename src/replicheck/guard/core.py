@@ -24,6 +24,7 @@ from replicheck.guard.probe import (
     LossFn,
     ProbeResult,
     bits_float,
+    buffers_restored,
     compare,
     deterministic,
     float_bits,
@@ -119,7 +120,7 @@ class Guard:
         self._batchnorms = [m for m in self.module.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
         self._next_step = self.config.start_step
         self._needs_rebuild = self._ddp and self.config.start_step > 0 and self.config.rebuild_buckets_on_resume
-        self.last_verified_step: int | None = None
+        self.last_verified_step: int | None = self.config.resume_verified_step
         self._noise = 0.0
         self._calibrations = 0
         self._reporter = IncidentBuilder(self)
@@ -310,7 +311,7 @@ class Guard:
     def _rebuild_buckets(self, batch: Any) -> None:
         """One synced backward, gradients discarded, so DDP settles its bucket layout."""
         self._needs_rebuild = False
-        with torch.random.fork_rng(devices=[]), running(self._next_step, "train"):
+        with torch.random.fork_rng(devices=[]), running(self._next_step, "rebuild"), buffers_restored(self.module):
             loss = self.loss_fn(self.model, batch)
             loss.backward()
         self.optimizer.zero_grad(set_to_none=True)
