@@ -127,7 +127,7 @@ class SlurmCluster:
             "SlurmctldTimeout=30", "SlurmdTimeout=60", "InactiveLimit=0", "Waittime=0",
         ]
         for node, port in zip(self.nodes, node_ports):
-            lines.append(f"NodeName={node} NodeHostname={host} NodeAddr=127.0.0.1 Port={port} CPUs=1 "
+            lines.append(f"NodeName={node} NodeHostname={host} NodeAddr=127.0.0.1 Port={port} CPUs=2 "
                          "RealMemory=256 State=UNKNOWN")
         lines.append(f"PartitionName={self.partition} Nodes={','.join(self.nodes)} Default=YES "
                      "MaxTime=INFINITE State=UP")
