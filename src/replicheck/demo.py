@@ -22,7 +22,7 @@ from replicheck.controller import Controller, ControllerConfig, LocalBackend
 from replicheck.faults.campaign import resolve
 from replicheck.faults.scenarios import JobDefaults, Scenario, default_scenarios, select
 from replicheck.incident import Incident, write_incident
-from replicheck.jobs import JobResult, JobSpec, train
+from replicheck.jobs import JobResult, train
 from replicheck.launch import run_local
 
 
@@ -80,15 +80,19 @@ def run_demo(config: DemoConfig, out: TextIO = sys.stdout) -> dict[str, Any]:
     per = job.gpus_per_node
     names = [f"node{i}" for i in range(job.nodes)]
     ranks_nodes = [names[r // per] for r in range(job.world)]
-    guard = dataclasses.replace(job.spec.guard, incident_dir=str(root / "incidents"), job_id="demo-job")  # type: ignore[arg-type]
+    if job.spec.guard is None:
+        raise ValueError(f"scenario {scenario.name!r} runs no guard")
+    guard = dataclasses.replace(job.spec.guard, incident_dir=str(root / "incidents"), job_id="demo-job")
     spec = dataclasses.replace(job.spec, guard=guard, checkpoint_dir=str(root / "checkpoints"),
-                               checkpoint_every=config.checkpoint_every, stop_step=config.steps, keep_state=True)
+                               checkpoint_every=config.checkpoint_every, stop_step=config.steps, keep_state=True,
+                               report_every=5)
     fault = job.fault
+    fault_rank = fault.rank if fault is not None and fault.rank is not None else None
     say("cluster", f"{job.nodes} nodes x {per} rank(s) ({', '.join(names)}) + {config.spares} spare; "
         f"DDP/gloo, guard {job.mode} mode, replay every {job.verify_every}, weights every {job.weights_every}, "
         f"checkpoint every {config.checkpoint_every}")
-    if fault is not None:
-        say("fault", f"{scenario.title}: rank {fault.rank} on {ranks_nodes[fault.rank]} "
+    if fault is not None and fault_rank is not None:
+        say("fault", f"{scenario.title}: rank {fault_rank} on {ranks_nodes[fault_rank]} "
             f"({fault.describe()})")
 
     backend = LocalBackend(root / "controller.db")
@@ -99,11 +103,11 @@ def run_demo(config: DemoConfig, out: TextIO = sys.stdout) -> dict[str, Any]:
         backend.add_node(n, spare=True)
 
     t_job = time.monotonic()
+    say("train", f"job demo-job starts on {', '.join(names)}")
     first = run_local(train, ranks_nodes, args=(spec,), timeout=900)
-    _print_losses(say, first[0], spec.guard.verify_every)  # type: ignore[union-attr]
     facts: dict[str, Any] = {"scenario": scenario.name, "nodes": names, "spares": spare_names,
-                             "fault_rank": fault.rank if fault else None,
-                             "fault_node": ranks_nodes[fault.rank] if fault else None}
+                             "fault_rank": fault_rank,
+                             "fault_node": ranks_nodes[fault_rank] if fault_rank is not None else None}
     incident_d = first[0].incident
     if incident_d is None:
         say("result", f"no incident; training reached step {first[0].last_step}")
@@ -156,17 +160,17 @@ def run_demo(config: DemoConfig, out: TextIO = sys.stdout) -> dict[str, Any]:
     req = requests[-1]
     replaced = dict(zip(incident.suspect_nodes, [n for n in req.nodes if n not in names]))
     new_nodes = [replaced.get(n, n) for n in ranks_nodes]
-    say("resume", f"job {req.job_id} resumes from checkpoint step {req.checkpoint.get('step')} on "
+    say("resume", f"job {req.job_id} resumes from checkpoint step {(req.checkpoint or {}).get('step')} on "
         f"{', '.join(dict.fromkeys(new_nodes))} (excluded: {', '.join(req.exclude) or 'none'})")
     resumed_spec = dataclasses.replace(spec, setup=_clean_setup(job), resume=True,
                                        resume_incident=incident.to_json())
     t_resume = time.monotonic()
     second = run_local(train, new_nodes, args=(resumed_spec,), timeout=900)
     resume_s = time.monotonic() - t_resume
-    _print_losses(say, second[0], spec.guard.verify_every)  # type: ignore[union-attr]
     say("resumed", f"training finished at step {second[0].last_step} (resumed from {second[0].resumed_from})")
 
-    clean_spec = dataclasses.replace(spec, setup=_clean_setup(job), checkpoint_dir=None,
+    say("reference", "training a clean run of the same length for the bit-for-bit comparison")
+    clean_spec = dataclasses.replace(spec, setup=_clean_setup(job), checkpoint_dir=None, report_every=0,
                                      guard=dataclasses.replace(guard, incident_dir=None))
     clean = run_local(train, ranks_nodes, args=(clean_spec,), timeout=900)
     equal = _states_equal(second, clean)
@@ -202,14 +206,6 @@ def _states_equal(a: list[JobResult], b: list[JobResult]) -> bool:
         if not all(torch.equal(x.state[k], y.state[k]) for k in x.state):
             return False
     return True
-
-
-def _print_losses(say: _Printer, r: JobResult, every: int) -> None:
-    steps = sorted(r.losses)
-    for s in steps:
-        if s % 5 == 0 or s == steps[-1]:
-            mark = "  verified" if s in r.verified_steps else ""
-            say("train", f"step {s:3d}  loss {r.losses[s]:.4f}{mark}")
 
 
 def _finish(root: Path, say: _Printer, facts: dict[str, Any], config: DemoConfig,

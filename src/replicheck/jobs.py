@@ -54,6 +54,8 @@ class JobSpec:
     then the newest checkpoint not after its last passing verification."""
     resume_policy: str = "last_pass"
     """With ``resume_incident``: ``last_pass`` or ``two_passes`` (intermittent faults)."""
+    report_every: int = 0
+    """Rank 0 prints step, loss and verification as it trains, every this many steps (0: silent)."""
     stop_step: int | None = None
     """When set, run up to this step index (exclusive) instead of ``steps`` steps, so a requeued
     job can resume with the same spec."""
@@ -141,6 +143,9 @@ def train(ctx: RankContext, spec: JobSpec) -> JobResult:
                 result.losses[s], result.last_step = out.loss, s
                 if out.verified:
                     result.verified_steps.append(s)
+                if spec.report_every and ctx.rank == 0 and (s % spec.report_every == 0 or out.verified):
+                    check = "  replay passed" if out.verified else ""
+                    print(f"          train       step {s:3d}  loss {out.loss:.4f}{check}", flush=True)
                 if store is not None and spec.checkpoint_every > 0 and s % spec.checkpoint_every == 0:
                     store.save(s, model, opt, guard=guard)
                     result.checkpoints.append(s)

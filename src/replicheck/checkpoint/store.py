@@ -297,7 +297,7 @@ class CheckpointStore:
                 world_size=world_size,
                 replicas_checked=checked,
             )
-            atomic.write_file(staged / MANIFEST_NAME, lambda fh: fh.write(manifest.to_json().encode()))
+            atomic.write_file(staged / MANIFEST_NAME, lambda fh: _write_all(fh, manifest.to_json().encode()))
             self._supersede(lambda s: s >= step)
             atomic.commit(staged, self.directory / _dir_name(step))
         except BaseException:
@@ -528,3 +528,7 @@ def resume_point(directory: str | os.PathLike[str], incident: IncidentLike | Non
                  policy: Policy = "last_pass") -> Checkpoint | None:
     """:meth:`CheckpointStore.resume_point` for a directory."""
     return CheckpointStore(directory).resume_point(incident, policy=policy)
+
+
+def _write_all(fh: Any, data: bytes) -> None:
+    fh.write(data)

@@ -16,7 +16,6 @@ from typing import Sequence
 _COMMANDS = (
     "demo",
     "campaign",
-    "bench",
     "selftest",
     "controller",
     "incidents",

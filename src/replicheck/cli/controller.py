@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import sys
 import threading
 from typing import Any
 
@@ -42,7 +41,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def _run_inner(args: argparse.Namespace) -> int:
     from replicheck.controller import Controller
-    from replicheck.controller.clisupport import db_path
+    from replicheck.controller.clisupport import db_path, ingest_files
     from replicheck.controller.wiring import load_settings, make_backend, settings_to_json
 
     settings = load_settings(
@@ -62,15 +61,7 @@ def _run_inner(args: argparse.Namespace) -> int:
     with Controller(db, backend=backend, config=config, on_transition=show) as ctl:
         with ctl.store.transaction():
             ctl.store.set_meta("settings", settings_to_json(settings))
-        status = 0
-        for path in args.incident:
-            result = ctl.ingest_file(path)
-            if result.rejected:
-                print(f"replicheck: rejected {result.source}: {result.rejected} (kept in the database)",
-                      file=sys.stderr)
-                status = 1
-            else:
-                print(f"ingested {result.incident_id}{'' if result.new else ' (duplicate merged)'}")
+        status = ingest_files(ctl, args.incident)
         if not config.apply:
             print("dry-run: destructive actions are not performed (pass --apply to act)", flush=True)
         stop = threading.Event()

@@ -115,14 +115,7 @@ def _dismiss(args: argparse.Namespace) -> int:
 
 
 def _ingest(args: argparse.Namespace) -> int:
-    status = 0
+    from replicheck.controller.clisupport import ingest_files
+
     with _controller(args) as ctl:
-        for path in args.files:
-            result = ctl.ingest_file(path)
-            if result.rejected:
-                print(f"replicheck: rejected {result.source}: {result.rejected} (kept in the database)",
-                      file=sys.stderr)
-                status = 1
-            else:
-                print(f"ingested {result.incident_id}{'' if result.new else ' (duplicate merged)'}")
-    return status
+        return ingest_files(ctl, args.files)

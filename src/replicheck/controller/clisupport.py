@@ -76,3 +76,17 @@ def node_line(n: NodeInfo) -> str:
 
 def print_json(data: Any) -> None:
     print(json.dumps(data, indent=2, sort_keys=True, default=str))
+
+
+def ingest_files(ctl: Any, paths: Any) -> int:
+    """Ingest incident files, one line each; 1 when any was rejected (and kept), else 0."""
+    status = 0
+    for path in paths:
+        result = ctl.ingest_file(path)
+        if result.rejected:
+            print(f"replicheck: rejected {result.source}: {result.rejected} (kept in the database)",
+                  file=sys.stderr)
+            status = 1
+        else:
+            print(f"ingested {result.incident_id}{'' if result.new else ' (duplicate merged)'}")
+    return status

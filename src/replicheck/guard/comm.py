@@ -60,16 +60,20 @@ class Comm:
             for dst, p in payloads
         ]
         reqs += [dist.irecv(t, self._g(src), self.group) for src, t in lengths_in.items()]
-        for r in reqs:
-            r.wait()
+        _wait(reqs)
         data_in = {
             src: torch.empty(int(n.item()), dtype=torch.uint8, device=self.device) for src, n in lengths_in.items()
         }
         reqs = [dist.isend(p.to(self.device), self._g(dst), self.group) for dst, p in payloads]
         reqs += [dist.irecv(t, self._g(src), self.group) for src, t in data_in.items()]
-        for r in reqs:
-            r.wait()
+        _wait(reqs)
         return {src: unpack(t) for src, t in data_in.items()}
 
     def _g(self, group_rank: int) -> int:
         return self.global_rank(group_rank)
+
+
+def _wait(requests: Sequence[dist.Work | None]) -> None:
+    for r in requests:
+        if r is not None:
+            r.wait()

@@ -10,7 +10,6 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from replicheck import fingerprint as fp
 from replicheck.guard import replicas
 from replicheck.guard.batch import batch_size, split
 from replicheck.guard.comm import Comm
@@ -79,9 +78,10 @@ class Guard:
         self.model = model
         self.optimizer = optimizer
         self.loss_fn = loss_fn
-        self._ddp = isinstance(model, DistributedDataParallel)
-        self.module: torch.nn.Module = model.module if self._ddp else model
-        self.comm = Comm(model.process_group if self._ddp else None)
+        ddp = model if isinstance(model, DistributedDataParallel) else None
+        self._ddp = ddp is not None
+        self.module: torch.nn.Module = ddp.module if ddp is not None else model  # type: ignore[assignment]
+        self.comm = Comm(ddp.process_group if ddp is not None else None)
         if self.comm.world_size > 1 and not self._ddp:
             raise GuardConfigError("with world size > 1 the model must be wrapped in DistributedDataParallel")
         named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
@@ -110,9 +110,9 @@ class Guard:
         self._fingerprinter = Fingerprinter(self.config.mode, self.config.sketch_k)
         self._health = GradHealth(self.comm.group, digest_reduced=self.config.check_reduced and self.world_size > 1)
         self._hooked = False
-        if self._ddp:
+        if ddp is not None:
             try:
-                model.register_comm_hook(None, self._health.comm_hook)
+                ddp.register_comm_hook(None, self._health.comm_hook)
                 self._hooked = True
             except RuntimeError:
                 # The user owns the comm hook: checks then run after the all-reduce only.

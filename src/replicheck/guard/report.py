@@ -35,7 +35,7 @@ class IncidentBuilder:
         suspects = tuple(Suspect(rank=r, node=g.nodes[r]) for r in main.suspects)
         candidates = tuple(Suspect(rank=r, node=g.nodes[r]) for r in main.candidates)
         names = [s.node.name for s in (suspects or candidates)]
-        evidence = {
+        evidence: dict[str, Any] = {
             f.check: {**_jsonable(f.evidence), "suspects": list(f.suspects), "candidates": list(f.candidates),
                       "classification": f.classification if f.suspects else "ambiguous"}
             for f in findings

@@ -172,7 +172,7 @@ class SlurmBackend:
         out = self._run.run(argv, check=False)
         try:
             data = json.loads(out.stdout.strip().splitlines()[-1])
-            fingerprint = str(data["fingerprint"])
+            str(data["fingerprint"])  # a result without a fingerprint is no result
         except (ValueError, IndexError, KeyError, TypeError) as exc:
             raise PermanentBackendError(
                 f"self-test on {node} gave no result (exit {out.returncode}): "

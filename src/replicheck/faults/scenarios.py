@@ -1,0 +1,158 @@
+"""Campaign scenarios: one short guarded training each, with at most one faulty rank.
+
+The default matrix reproduces the published reference cases (AWS's HyperPod method) and the
+paths replicheck adds checks for. A scenario only says what differs from the campaign's job
+(:class:`JobDefaults`); everything else comes from the command line.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from replicheck.faults.errors import FaultConfigError
+from replicheck.faults.injector import Fault
+from replicheck.faults.noise import KernelNoise
+from replicheck.workloads import DecoderConfig
+
+Expect = Literal["detect", "undetected", "clean"]
+
+
+def campaign_model() -> DecoderConfig:
+    """The default campaign model: a small Llama-style decoder (2 blocks, d_model 32)."""
+    return DecoderConfig(vocab=128, d_model=32, n_layers=2, n_heads=4, seq_len=16)
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobDefaults:
+    """The job every scenario runs unless it says otherwise."""
+
+    nodes: int = 2
+    """Simulated nodes."""
+    gpus_per_node: int = 2
+    """Ranks per simulated node."""
+    mode: Literal["exact", "tolerant"] = "exact"
+    """Guard mode."""
+    verify_every: int = 10
+    """Ring replay every this many steps."""
+    weights_every: int | None = None
+    """Weight/optimizer-state comparison period (``None``: same as ``verify_every``)."""
+    steps: int = 36
+    """Steps per run (0..steps-1), enough for onset 23 and the check at 30."""
+    batch: int = 4
+    """Sequences per rank per step."""
+    model: DecoderConfig = field(default_factory=campaign_model)
+    """Decoder shape."""
+    seed: int = 0
+    """Seed of weights, data and faults."""
+    fault_rank: int = 1
+    """The rank made faulty (when the scenario does not name one)."""
+    timeout: float = 300.0
+    """Seconds one job may take before it is killed."""
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1 or self.gpus_per_node < 1 or self.steps < 1 or self.verify_every < 1:
+            raise FaultConfigError("nodes, gpus_per_node, steps and verify_every must be >= 1")
+        if self.mode not in ("exact", "tolerant"):
+            raise FaultConfigError(f"mode must be exact or tolerant, got {self.mode!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Scenario:
+    """One row of the campaign table."""
+
+    name: str
+    """Short id (used by ``--scenarios`` and for file names)."""
+    title: str
+    """One-line description for the table."""
+    fault: Fault | None = None
+    """The fault (its rank defaults to the campaign's fault rank); ``None``: a clean run."""
+    expect: Expect = "detect"
+    """``detect``: at the first check at or after onset; ``undetected``: documented limit;
+    ``clean``: no alarm."""
+    nodes: int | None = None
+    """Override of the campaign's nodes."""
+    gpus_per_node: int | None = None
+    """Override of the campaign's ranks per node."""
+    mode: Literal["exact", "tolerant"] | None = None
+    """Override of the guard mode."""
+    verify_every: int | None = None
+    """Override of the replay period."""
+    noise: KernelNoise | None = None
+    """Simulated kernel non-determinism on every rank."""
+    note: str = ""
+    """What the row shows, or why it is expected to be missed."""
+    reference: str = ""
+    """The published reference figure this row answers, if any."""
+
+
+_FFN = "blocks.0.ffn"
+_WGRAD = "blocks.0.ffn.down.weight"
+
+
+def default_scenarios() -> list[Scenario]:
+    """The matrix ``replicheck campaign`` runs by default."""
+    fwd = Fault.at_forward(_FFN).persistent(from_step=23).bitflip(bit=22)
+    wgrad = Fault.at_weight_gradient(_WGRAD).persistent(from_step=23).zero_chunk()
+    noise = KernelNoise(module="norm", rel=1e-6, seed=1)
+    return [
+        Scenario(name="aws-persistent-3n", title="AWS case: persistent forward fault from step 23, 3 nodes",
+                 fault=fwd, nodes=3, gpus_per_node=1,
+                 reference="AWS: caught at step 30, steps 23-29 applied (verify every 10)"),
+        Scenario(name="aws-persistent-4n", title="AWS case: persistent forward fault from step 23, 4 nodes",
+                 fault=fwd, nodes=4, gpus_per_node=1,
+                 reference="AWS: caught at step 30, steps 23-29 applied (verify every 10)"),
+        Scenario(name="latency-first", title="Same fault, latency-first schedule (verify every step)",
+                 fault=fwd, verify_every=1, note="nothing corrupted is applied"),
+        Scenario(name="wgrad-exact", title="Backward-only weight-gradient fault (forward untouched), exact mode",
+                 fault=wgrad, mode="exact",
+                 reference="AWS: no alarm in 50 steps with default kernels"),
+        Scenario(name="wgrad-tolerant", title="Backward-only weight-gradient fault, tolerant mode, noisy kernels",
+                 fault=wgrad, mode="tolerant", noise=noise,
+                 note="every rank adds ~1e-6 relative noise (own generator) to the final norm",
+                 reference="AWS: no alarm in 50 steps with default kernels"),
+        Scenario(name="optimizer-update", title="Optimizer update corrupted from step 23",
+                 fault=Fault.at_optimizer_update("blocks.1.attn.qkv.weight").persistent(from_step=23).bitflip(bit=22)),
+        Scenario(name="weights-at-rest", title="One bit flipped in stored weights at step 23 (unverified step)",
+                 fault=Fault.at_weights("blocks.0.ffn.up.weight").transient(step=23).bitflip(bit=22),
+                 note="replicas then differ, so the weight check sees it"),
+        Scenario(name="reduced-gradient", title="Reduced gradient corrupted after the all-reduce, one-shot at step 23",
+                 fault=Fault.at_reduced_gradient().transient(step=23).bitflip(bit=22),
+                 note="per-step check: caught on the step itself"),
+        Scenario(name="transient-verified", title="One-shot forward fault at a verification step (30)",
+                 fault=Fault.at_forward(_FFN).transient(step=30).bitflip(bit=22)),
+        Scenario(name="transient-unverified", title="One-shot finite forward fault at an unverified step (25)",
+                 fault=Fault.at_forward(_FFN).transient(step=25).bitflip(bit=22), expect="undetected",
+                 note=("documented limit: the corrupted local gradient is averaged into every replica "
+                       "identically before any check can compare it; replicas stay bit-identical, so "
+                       "no later replay or weight check can see it"),
+                 reference="AWS: one-shot finite fault on an unverified step not caught"),
+        Scenario(name="nan", title="NaN in a forward activation from step 23",
+                 fault=Fault.at_forward(_FFN).persistent(from_step=23).nan(),
+                 note="per-step gradient health check, before the all-reduce"),
+        Scenario(name="sdc-mix", title="Published SDC mix in the block's matmuls from step 23",
+                 fault=Fault.at_forward(_FFN, ops="matmul").persistent(from_step=23).sdc_mix()),
+        Scenario(name="clean", title="Clean run", expect="clean"),
+        Scenario(name="clean-tolerant", title="Clean run, tolerant mode, noisy kernels", expect="clean",
+                 mode="tolerant", noise=noise),
+    ]
+
+
+def fast_scenarios() -> list[Scenario]:
+    """A few rows on a tiny job, for the test suite."""
+    keep = {"aws-persistent-3n", "reduced-gradient", "transient-unverified", "clean"}
+    return [s for s in default_scenarios() if s.name in keep]
+
+
+def select(scenarios: list[Scenario], names: str | None) -> list[Scenario]:
+    """Filter by comma-separated names (a name may end in ``*`` to match a prefix)."""
+    if not names:
+        return scenarios
+    wanted = [n.strip() for n in names.split(",") if n.strip()]
+    out = [s for s in scenarios
+           if any(s.name == w or (w.endswith("*") and s.name.startswith(w[:-1])) for w in wanted)]
+    unknown = [w for w in wanted if not any(s.name == w or (w.endswith("*") and s.name.startswith(w[:-1]))
+                                            for s in scenarios)]
+    if unknown:
+        raise FaultConfigError(f"unknown scenarios {unknown}; known: {[s.name for s in scenarios]}")
+    return out
