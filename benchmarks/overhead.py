@@ -1,12 +1,12 @@
 """Step-time overhead of the guard against the plain DDP loop, measured in the same run.
 
 Two gloo ranks train the Llama-style decoder (d_model 256, 4 layers, 8 sequences x 256 tokens
-per rank per step). Rounds alternate plain and guarded blocks of ``--block`` steps on the same
-processes (interleaved, so drift of the machine hits both alike); a block's time covers whole
-verification periods. The guarded configuration is the published schedule: replay every 10
+per rank per step) twice, in one pair of processes: a plain DDP loop and a guarded one. Their
+steps alternate one by one (so drift of the machine hits both alike); each round is one whole
+verification period (``--block`` steps) of each loop, and its ratio is guarded / plain time. The guarded configuration is the published schedule: replay every 10
 steps, weights and optimizer state every 10 steps, exact mode, every per-step check on.
 
-    python benchmarks/overhead.py [--rounds 6] [--block 10] [--json out.json]
+    python benchmarks/overhead.py [--rounds 16] [--block 10] [--json out.json]
 
 Prints per-round ratios (guarded / plain), the median and the spread. Not a test.
 """
@@ -48,32 +48,45 @@ def _bench(ctx: RankContext, rounds: int, block: int, batch: int, mode: str, war
         lm_loss(plain_model, b).backward()
         plain_opt.step()
 
-    def run_block(guarded: bool) -> float:
+    def timed(guarded: bool, b: dict[str, torch.Tensor]) -> float:
         dist.barrier()
         t0 = time.perf_counter()
-        for b in batches:
-            if guarded:
-                guard.step(b)
-            else:
-                plain_step(b)
+        if guarded:
+            guard.step(b)
+        else:
+            plain_step(b)
         dist.barrier()
         return time.perf_counter() - t0
 
     for i in range(warmup):  # settle DDP buckets, allocator and caches on both loops
-        plain_step(batches[i % block])
-    for _ in range(warmup // block + 1):
-        run_block(True)
+        timed(False, batches[i % block])
+        timed(True, batches[i % block])
+    while guard.next_step % 10:  # start the timed rounds on a verification step
+        timed(True, batches[0])
     plain_t, guarded_t = [], []
+    verify_extra, ordinary_extra = [], []  # paired differences, guarded - plain, per step
     for r in range(rounds):
-        order = (False, True) if r % 2 == 0 else (True, False)
-        for g in order:
-            (guarded_t if g else plain_t).append(run_block(g))
-    return {"plain": plain_t, "guarded": guarded_t}
+        # Plain and guarded steps alternate one by one (order swapped every step), so anything
+        # that slows the machine for a while slows both loops alike.
+        p = g = 0.0
+        for i, b in enumerate(batches):
+            if (i + r) % 2:
+                tg = timed(True, b)
+                tp = timed(False, b)
+            else:
+                tp = timed(False, b)
+                tg = timed(True, b)
+            g, p = g + tg, p + tp
+            (verify_extra if i % 10 == 0 else ordinary_extra).append(tg - tp)
+        plain_t.append(p)
+        guarded_t.append(g)
+    return {"plain": plain_t, "guarded": guarded_t, "threads": torch.get_num_threads(),
+            "verify_extra": verify_extra, "ordinary_extra": ordinary_extra}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--rounds", type=int, default=16)
     parser.add_argument("--block", type=int, default=10, help="steps per timed block (a multiple of 10)")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--mode", choices=["exact", "tolerant"], default="exact")
@@ -93,11 +106,14 @@ def main(argv: list[str] | None = None) -> int:
         "plain_step_ms_median": round(step_ms, 1),
         "ratios": [round(r, 4) for r in ratios],
         "median_ratio": round(statistics.median(ratios), 4),
+        "quartiles": [round(q, 4) for q in statistics.quantiles(ratios, n=4)] if len(ratios) > 1 else [],
         "min_ratio": round(min(ratios), 4),
         "max_ratio": round(max(ratios), 4),
         "ratio_of_totals": round(sum(out["guarded"]) / sum(out["plain"]), 4),
+        "verification_step_extra_ms_median": round(statistics.median(out["verify_extra"]) * 1e3, 1),
+        "ordinary_step_extra_ms_median": round(statistics.median(out["ordinary_extra"]) * 1e3, 1),
         "torch": torch.__version__,
-        "threads_per_rank": torch.get_num_threads(),
+        "threads_per_rank": out["threads"],
     }
     print(json.dumps(summary, indent=2))
     if args.json:

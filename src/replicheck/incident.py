@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import math
 import os
 import tempfile
 from dataclasses import asdict, dataclass, field
@@ -166,6 +167,17 @@ class Incident:
         except (ValueError, UnicodeDecodeError) as exc:
             raise IncidentFormatError(f"incident is not valid JSON: {exc}") from exc
         return cls.from_dict(data)
+
+
+def json_safe(value: Any) -> Any:
+    """``value`` as strict JSON: non-finite floats become strings, tuples lists, keys strings."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, Mapping):
+        return {str(k): json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
 
 
 def make_incident_id(job_id: str, step: int, check: str) -> str:

@@ -12,6 +12,7 @@ from torch.nn.parallel import DistributedDataParallel
 from replicheck import fingerprint as fp
 from replicheck.guard import CorruptionDetected, Guard, GuardConfig
 from replicheck.launch import RankContext
+from replicheck.modules import unwrap
 from replicheck.workloads import DecoderConfig, lm_loss, make_model, synthetic_batch
 
 Setup = Callable[[RankContext, torch.nn.Module, torch.optim.Optimizer, Guard], Any]
@@ -119,7 +120,7 @@ def train(ctx: RankContext, spec: JobSpec) -> JobResult:
     """Run ``spec`` on this rank until done or until the guard stops a step."""
     model, opt = build(spec, ctx)
     result = JobResult(rank=ctx.rank, node=ctx.node)
-    bare = model.module if isinstance(model, DistributedDataParallel) else model
+    bare = unwrap(model)
     if spec.guard is None:
         for s in range(spec.steps):
             opt.zero_grad(set_to_none=True)

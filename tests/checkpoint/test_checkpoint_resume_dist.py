@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import ckpt_faults
 import pytest
 
-import ckpt_faults
 from replicheck.checkpoint import CheckpointStore
 from replicheck.guard import GuardConfig
 from replicheck.jobs import JobResult, JobSpec, train

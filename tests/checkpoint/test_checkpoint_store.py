@@ -9,10 +9,10 @@ import sys
 import textwrap
 from pathlib import Path
 
+import ckpt_kit as kit
 import pytest
 import torch
 
-import ckpt_kit as kit
 from replicheck import fingerprint as fp
 from replicheck.checkpoint import (
     CheckpointConfigError,

@@ -8,7 +8,16 @@ from ctlkit import make_incident
 from replicheck.controller.errors import InvalidTransitionError
 from replicheck.controller.machine import initial_record, transition
 from replicheck.controller.model import (
-    ActionDone, ActionFailed, ActionKind, Approved, Dismissed, Record, State, Step, Tick, TriageResult,
+    ActionDone,
+    ActionFailed,
+    ActionKind,
+    Approved,
+    Dismissed,
+    Record,
+    State,
+    Step,
+    Tick,
+    TriageResult,
 )
 
 pytestmark = pytest.mark.timeout(30)

@@ -106,3 +106,19 @@ def reduced_fault(ctx: RankContext, model: Any, opt: Any, guard: Guard, *, rank:
             t.view(-1)[5] += 1e-3
 
     guard.add_reduced_gradient_hook(hook)
+
+
+def nan_on_single_sample(ctx: RankContext, model: Any, opt: Any, guard: Guard, *, rank: int, onset: int) -> None:
+    """On ``rank`` from ``onset``: a NaN in block 0's feed-forward output whenever the pass holds
+    one sample (the probe's shape) — a fault that depends on the shape of the work."""
+    if ctx.rank != rank:
+        return
+
+    def hook(mod: Any, inp: Any, out: torch.Tensor) -> torch.Tensor | None:
+        if current_step() < onset or out.shape[0] != 1:
+            return None
+        out = out.clone()
+        out.view(-1)[0] = float("nan")
+        return out
+
+    _bare(model).blocks[0].ffn.register_forward_hook(hook)

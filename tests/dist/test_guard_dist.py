@@ -180,3 +180,14 @@ def test_gradient_accumulation_verifies_and_trains() -> None:
     assert all(r.incident is None for r in accum) and accum[0].verified_steps == [0, 1, 2]
     for name, value in whole[0].state.items():  # type: ignore[union-attr]
         assert torch.allclose(accum[0].state[name], value, rtol=1e-4, atol=1e-6), name  # type: ignore[index]
+
+
+@pytest.mark.timeout(200)
+def test_shape_dependent_fault_is_persistent_on_rerun() -> None:
+    """The gradients check re-runs the step as it ran (probe split off), so a persistent fault that
+    only hits one-sample passes reproduces and is classified persistent."""
+    fault = functools.partial(gf.nan_on_single_sample, rank=1, onset=3)
+    results = run(spec(steps=8, setup=fault, guard=GuardConfig(verify_every=5)), node_names(3, 1))
+    inc = incident(results)
+    assert (inc["step"], inc["check"], inc["suspect_ranks"]) == (5, "gradients", [1])
+    assert inc["classification"] == "persistent"

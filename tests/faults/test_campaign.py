@@ -10,7 +10,12 @@ import pytest
 from replicheck.faults.campaign import run_campaign
 from replicheck.faults.errors import FaultConfigError
 from replicheck.faults.report import markdown
-from replicheck.faults.scenarios import JobDefaults, default_scenarios, fast_scenarios, select
+from replicheck.faults.scenarios import (
+    JobDefaults,
+    default_scenarios,
+    fast_scenarios,
+    select,
+)
 from replicheck.faults.soak import soak_model
 
 

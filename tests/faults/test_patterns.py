@@ -5,7 +5,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from replicheck.faults import BitFlip, FaultConfigError, Intermittent, NonFinite, Persistent, Scale, SdcMix, Transient, ZeroChunk
+from replicheck.faults import (
+    BitFlip,
+    FaultConfigError,
+    Intermittent,
+    NonFinite,
+    Persistent,
+    Scale,
+    SdcMix,
+    Transient,
+    ZeroChunk,
+)
 from replicheck.faults.patterns import bit_range
 from replicheck.faults.schedule import Trigger
 

@@ -6,7 +6,14 @@ import pytest
 import torch
 
 from replicheck import EXIT_CORRUPTION, is_replaying
-from replicheck.guard import BatchError, CorruptionDetected, Guard, GuardConfig, GuardConfigError, current_pass
+from replicheck.guard import (
+    BatchError,
+    CorruptionDetected,
+    Guard,
+    GuardConfig,
+    GuardConfigError,
+    current_pass,
+)
 from replicheck.guard.batch import batch_size, split
 from replicheck.workloads import DecoderConfig, lm_loss, make_model, synthetic_batch
 

@@ -7,7 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from replicheck.incident import Incident, IncidentFormatError, NodeIdentity, Suspect, read_incident, write_incident
+from replicheck.incident import (
+    Incident,
+    IncidentFormatError,
+    NodeIdentity,
+    Suspect,
+    read_incident,
+    write_incident,
+)
 
 pytestmark = pytest.mark.timeout(30)
 

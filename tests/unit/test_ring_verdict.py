@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 
 from replicheck.guard.ring import Ring
-from replicheck.guard.verdict import arbitrate, attribute_pairs, primary, tolerance, vote, Finding
+from replicheck.guard.verdict import (
+    Finding,
+    arbitrate,
+    attribute_pairs,
+    primary,
+    tolerance,
+    vote,
+)
 
 pytestmark = pytest.mark.timeout(30)
 

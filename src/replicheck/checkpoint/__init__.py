@@ -21,7 +21,12 @@ from replicheck.checkpoint.errors import (
 )
 from replicheck.checkpoint.manifest import FORMAT, FORMAT_VERSION, Manifest
 from replicheck.checkpoint.policy import POLICIES, Policy, clean_bound
-from replicheck.checkpoint.store import Checkpoint, CheckpointStore, Loaded, resume_point
+from replicheck.checkpoint.store import (
+    Checkpoint,
+    CheckpointStore,
+    Loaded,
+    resume_point,
+)
 
 __all__ = [
     "FORMAT",

@@ -27,9 +27,21 @@ from replicheck.checkpoint.errors import (
     ManifestError,
     NoValidCheckpoint,
 )
-from replicheck.checkpoint.manifest import MANIFEST_NAME, PAYLOAD_NAME, Manifest, digest_hex
-from replicheck.checkpoint.policy import POLICIES, Policy, check_policy, clean_bound, eligible
+from replicheck.checkpoint.manifest import (
+    MANIFEST_NAME,
+    PAYLOAD_NAME,
+    Manifest,
+    digest_hex,
+)
+from replicheck.checkpoint.policy import (
+    POLICIES,
+    Policy,
+    check_policy,
+    clean_bound,
+    eligible,
+)
 from replicheck.incident import Incident, IncidentFormatError, read_incident
+from replicheck.modules import unwrap
 
 if TYPE_CHECKING:
     from replicheck.guard import Guard
@@ -106,11 +118,6 @@ class _Collective:
 
     def gather(self, obj: Any) -> list[Any]:
         return self._gather(obj) if self.world_size > 1 else [obj]
-
-
-def _bare(model: torch.nn.Module) -> torch.nn.Module:
-    inner = getattr(model, "module", None)
-    return inner if isinstance(inner, torch.nn.Module) and hasattr(model, "no_sync") else model
 
 
 def _weights_digest(tensors: Sequence[torch.Tensor]) -> str:
@@ -276,7 +283,7 @@ class CheckpointStore:
                extra: Any, checked: bool, world_size: int) -> Manifest:
         self.directory.mkdir(parents=True, exist_ok=True)
         atomic.clean_leftovers(self.directory)
-        bare = _bare(model)
+        bare = unwrap(model)
         params = [p for _, p in bare.named_parameters()]
         opt_state = optimizer.state_dict()
         payload = {"format": _PAYLOAD_FORMAT, "step": step, "model": bare.state_dict(),
@@ -433,7 +440,7 @@ class CheckpointStore:
         state, opt = payload.get("model"), payload.get("optimizer")
         if not isinstance(state, Mapping) or not isinstance(opt, Mapping) or not isinstance(opt.get("state"), Mapping):
             raise CheckpointCorrupt("payload lacks the model or optimizer state")
-        names = [n for n, _ in _bare(model).named_parameters()]
+        names = [n for n, _ in unwrap(model).named_parameters()]
         missing = [n for n in names if not isinstance(state.get(n), torch.Tensor)]
         if missing:
             raise CheckpointMismatch(f"{ckpt.path}: the model's parameters {missing[:3]} are not in the checkpoint")
@@ -493,7 +500,7 @@ class CheckpointStore:
 
     def _restore(self, ckpt: Checkpoint, manifest: Manifest, payload: dict[str, Any], model: torch.nn.Module,
                  optimizer: torch.optim.Optimizer | None) -> None:
-        bare = _bare(model)
+        bare = unwrap(model)
         own = bare.state_dict()
         state = payload["model"]
         if set(own) != set(state):

@@ -42,7 +42,11 @@ def _run(args: argparse.Namespace) -> int:
 def _run_inner(args: argparse.Namespace) -> int:
     from replicheck.controller import Controller
     from replicheck.controller.clisupport import db_path, ingest_files
-    from replicheck.controller.wiring import load_settings, make_backend, settings_to_json
+    from replicheck.controller.wiring import (
+        load_settings,
+        make_backend,
+        settings_to_json,
+    )
 
     settings = load_settings(
         args.config, backend=args.backend, apply=args.apply, auto_approve=args.auto_approve,

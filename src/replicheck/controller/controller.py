@@ -16,7 +16,15 @@ from replicheck.controller.errors import ConfigError
 from replicheck.controller.executor import Deferred, Executor
 from replicheck.controller.machine import initial_record, transition
 from replicheck.controller.model import (
-    TERMINAL, ActionDone, Approved, Dismissed, Event, Record, State, Tick, Transition,
+    TERMINAL,
+    ActionDone,
+    Approved,
+    Dismissed,
+    Event,
+    Record,
+    State,
+    Tick,
+    Transition,
 )
 from replicheck.controller.store import ActionRow, AuditRow, IncidentRow, Store
 from replicheck.incident import Incident

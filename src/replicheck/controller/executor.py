@@ -14,8 +14,17 @@ from typing import Any, Callable, Mapping
 
 from replicheck.controller.backends.base import Backend, ResumeRequest
 from replicheck.controller.config import ControllerConfig
-from replicheck.controller.errors import NotYet, PermanentBackendError, TransientBackendError
-from replicheck.controller.model import DESTRUCTIVE, ActionDone, ActionFailed, ActionKind
+from replicheck.controller.errors import (
+    NotYet,
+    PermanentBackendError,
+    TransientBackendError,
+)
+from replicheck.controller.model import (
+    DESTRUCTIVE,
+    ActionDone,
+    ActionFailed,
+    ActionKind,
+)
 from replicheck.controller.policy import cordon_refusal, retry_delay
 from replicheck.controller.store import ActionRow, Store
 

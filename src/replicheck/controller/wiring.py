@@ -9,7 +9,11 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from replicheck.controller.backends.base import Backend
-from replicheck.controller.config import ControllerConfig, config_from_mapping, load_config_file
+from replicheck.controller.config import (
+    ControllerConfig,
+    config_from_mapping,
+    load_config_file,
+)
 from replicheck.controller.errors import ConfigError
 
 BACKENDS = ("local", "slurm")

@@ -146,7 +146,7 @@ def evaluate(job: Job, results: Sequence[JobResult], seconds: float) -> Outcome:
     onset = fault.onset if fault is not None else None
     last_applied = (detected - 1) if detected is not None else _steps_run(results) - 1
     applied = [first, last_applied] if first is not None and first <= last_applied else None
-    false_alarm = int(incident is not None and (first is None or detected < first))
+    false_alarm = int(detected is not None and (first is None or detected < first))
     suspects = list(incident["suspect_ranks"]) if incident else []
     nodes = list(incident["suspect_nodes"]) if incident else []
     rank = fault.rank if fault is not None else None

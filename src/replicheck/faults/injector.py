@@ -25,8 +25,22 @@ from typing import Any, Literal
 import torch
 
 from replicheck.faults.errors import FaultConfigError
-from replicheck.faults.patterns import BitField, BitFlip, NonFinite, Pattern, Scale, SdcMix, ZeroChunk
-from replicheck.faults.schedule import Intermittent, Persistent, Schedule, Transient, Trigger
+from replicheck.faults.patterns import (
+    BitField,
+    BitFlip,
+    NonFinite,
+    Pattern,
+    Scale,
+    SdcMix,
+    ZeroChunk,
+)
+from replicheck.faults.schedule import (
+    Intermittent,
+    Persistent,
+    Schedule,
+    Transient,
+    Trigger,
+)
 from replicheck.faults.sites import (
     Forward,
     OptimizerUpdate,
@@ -38,8 +52,9 @@ from replicheck.faults.sites import (
     WeightsAtRest,
     context,
 )
+from replicheck.modules import unwrap
 
-PASSES: tuple[str, ...] = ("train", "probe", "replay", "optimizer", "idle", "selftest")
+PASSES: tuple[str, ...] = ("train", "probe", "replay", "optimizer", "rebuild", "idle", "selftest")
 
 
 @dataclass(frozen=True)
@@ -256,7 +271,7 @@ class Fault:
         active = self.rank is None or self.rank == me
         handle = FaultHandle(self, me, active)
         if active:
-            bare = model.module if isinstance(getattr(model, "module", None), torch.nn.Module) else model
+            bare = unwrap(model)
             handle._removers = self.where.install(Targets(model=bare, optimizer=optimizer, guard=guard), handle)
         return handle
 

@@ -14,6 +14,7 @@ from typing import Any, Callable
 import torch
 
 from replicheck.faults.errors import FaultConfigError
+from replicheck.modules import unwrap
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -29,7 +30,7 @@ class KernelNoise:
 
     def install(self, model: torch.nn.Module, rank: int = 0) -> Callable[[], None]:
         """Hook the noise in; returns the remover."""
-        bare = model.module if isinstance(getattr(model, "module", None), torch.nn.Module) else model
+        bare = unwrap(model)
         modules = dict(bare.named_modules())
         if self.module not in modules:
             raise FaultConfigError(f"no module named {self.module!r} in the model")

@@ -30,7 +30,7 @@ def timeline(row: Mapping[str, Any], path: Path) -> Path:
         xs = list(range(steps))
         mean = []
         for s in xs:
-            vals = [v[s] for v in losses.values() if s < len(v) and v[s] is not None]
+            vals = [x for v in losses.values() if s < len(v) and (x := v[s]) is not None]
             mean.append(sum(vals) / len(vals) if vals else float("nan"))
         ax.plot(xs, mean, color="tab:blue", lw=1.6, label="loss (mean over ranks)")
         fr = row.get("fault_rank")

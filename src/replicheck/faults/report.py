@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Any, Mapping, Sequence
+
+from replicheck.incident import json_safe
 
 REFERENCE_ROWS: tuple[tuple[str, str], ...] = (
     ("persistent fault from step 23 (verify every 10)", "caught at step 30, steps 23-29 applied"),
@@ -20,20 +21,10 @@ COLUMNS = ("scenario", "fault (where / when / what)", "nodes × ranks", "mode", 
            "false alarms", "as expected?")
 
 
-def _clean(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if isinstance(value, Mapping):
-        return {str(k): _clean(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_clean(v) for v in value]
-    return value
-
-
 def write_json(rows: Sequence[Mapping[str, Any]], path: Path, meta: Mapping[str, Any]) -> Path:
     """``{"meta": ..., "scenarios": [...]}`` as strict JSON."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(_clean({"meta": dict(meta), "scenarios": list(rows)}), indent=1, allow_nan=False))
+    path.write_text(json.dumps(json_safe({"meta": dict(meta), "scenarios": list(rows)}), indent=1, allow_nan=False))
     return path
 
 

@@ -22,6 +22,7 @@ import torch
 from replicheck.guard import GuardConfig, current_pass, current_step
 from replicheck.jobs import JobSpec, train
 from replicheck.launch import RankContext, node_names, run_local
+from replicheck.modules import unwrap
 from replicheck.workloads import DecoderConfig
 
 
@@ -86,7 +87,7 @@ class SoakResult:
 def _progress_hook(ctx: RankContext, model: torch.nn.Module, opt: Any, guard: Any, *, path: str, every: int) -> None:
     if ctx.rank != 0:
         return
-    bare = model.module if isinstance(getattr(model, "module", None), torch.nn.Module) else model
+    bare = unwrap(model)
 
     def pre(_m: torch.nn.Module, _inp: Any) -> None:
         s = current_step()

@@ -3,7 +3,12 @@
 from replicheck.guard.config import GuardConfig
 from replicheck.guard.context import current_pass, current_step, is_replaying
 from replicheck.guard.core import Guard, StepResult
-from replicheck.guard.errors import BatchError, CorruptionDetected, GuardConfigError, GuardError
+from replicheck.guard.errors import (
+    BatchError,
+    CorruptionDetected,
+    GuardConfigError,
+    GuardError,
+)
 from replicheck.guard.ring import Ring
 
 __all__ = [

@@ -163,11 +163,13 @@ class Guard:
 
         mbs, weights = list(microbatches), [n / total for n in sizes]
         losses: list[tuple[float, torch.Tensor]] = []
+        passes: list[replicas.Pass] = []  # what ran, for a re-run on the failure path
         own: dict[str, Any] | None = None
         if verify:
             own, consumed = self._own_probe(s, mbs[0], sizes[0], total, more=len(mbs) > 1)
             if consumed is not None:
                 losses.append(consumed[0])
+                passes.append((own["batch"], own["weight"], own["seed"]))
                 if consumed[1] is None:
                     mbs.pop(0), weights.pop(0)
                 else:
@@ -180,6 +182,7 @@ class Guard:
                 loss = self.loss_fn(self.model, mb)
                 (loss * weights[i]).backward()
             losses.append((weights[i], loss.detach()))
+            passes.append((mb, weights[i], None))
         if not self._hooked:
             grads = [p.grad for p in self.params if p.grad is not None]
             self._health.observe_local(grads)
@@ -200,7 +203,7 @@ class Guard:
             row[_VERIFIED], row[_PAIR], row[_NOISE] = 1, float_bits(distance), float_bits(noise)
         rows = self.comm.gather_rows(row)
 
-        findings = self._evaluate(s, rows, check_replicas, view, microbatches)
+        findings = self._evaluate(s, rows, check_replicas, view, passes)
         if findings:
             self._raise(s, findings)
         with running(s, "optimizer"):
@@ -265,14 +268,14 @@ class Guard:
 
     # -- verdict ------------------------------------------------------------------------------
     def _evaluate(self, s: int, rows: torch.Tensor, check_replicas: bool, view: LocalView | None,
-                  microbatches: Sequence[Any]) -> list[Finding]:
+                  passes: Sequence[replicas.Pass]) -> list[Finding]:
         cfg = self.config
         findings: list[Finding] = []
         norms = [bits_float(int(v)) for v in rows[:, _LOCAL_NORM].tolist()]
         bad = [r for r, n in enumerate(norms)
                if not math.isfinite(n) or (cfg.grad_norm_bound is not None and n > cfg.grad_norm_bound)]
         if bad:
-            findings.append(replicas.gradient_finding(self, bad, norms, microbatches, s))
+            findings.append(replicas.gradient_finding(self, bad, norms, passes, s))
         if self._health.digest_reduced:
             f = replicas.vote_finding("reduced_gradients", rows[:, _REDUCED].tolist())
             if f is not None:

@@ -3,14 +3,15 @@ the per-step gradient health finding."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
 from replicheck import fingerprint as fp
-from replicheck.guard.batch import batch_size
 from replicheck.guard.context import running
+from replicheck.guard.probe import deterministic, seeded
 from replicheck.guard.verdict import Finding, vote
 
 if TYPE_CHECKING:
@@ -62,10 +63,16 @@ def _healthy(norm: float, bound: float | None) -> bool:
     return math.isfinite(norm) and (bound is None or norm <= bound)
 
 
-def gradient_finding(guard: Guard, bad: list[int], norms: list[float], microbatches: Sequence[Any], step: int) -> Finding:
-    """Ranks whose local gradient was non-finite or too large; each re-runs its batch to classify.
+Pass = tuple[Any, float, "int | None"]
+"""One backward pass of a step: ``(batch, loss weight, probe seed or None)``."""
 
-    Collective: every rank calls this with the same ``bad``.
+
+def gradient_finding(guard: Guard, bad: list[int], norms: list[float], passes: Sequence[Pass], step: int) -> Finding:
+    """Ranks whose local gradient was non-finite or too large; each re-runs its step to classify.
+
+    The re-run repeats the step's passes as they ran (probe and rest when the probe was split
+    off), so a fault that depends on the shape of a pass is reproduced. Collective: every rank
+    calls this with the same ``bad``.
     """
     bound = guard.config.grad_norm_bound
     evidence: dict[str, Any] = {"local_grad_norms": norms, "bound": bound}
@@ -76,14 +83,18 @@ def gradient_finding(guard: Guard, bad: list[int], norms: list[float], microbatc
         return Finding(check="gradients", candidates=tuple(bad), evidence=evidence)
     mine = None
     if guard.rank in bad:
-        total = sum(batch_size(mb) for mb in microbatches)
-        sq = 0.0
+        acc: list[torch.Tensor | None] = [None] * len(guard.params)
+        device = guard.params[0].device
         with torch.random.fork_rng(devices=[]), running(step, "replay"):
-            for mb in microbatches:
-                loss = guard.loss_fn(guard.module, mb) * (batch_size(mb) / total)
-                grads = torch.autograd.grad(loss, guard.params, allow_unused=True)
-                sq += float(sum(float(g.float().square().sum()) for g in grads if g is not None))
-        again = math.sqrt(sq) if math.isfinite(sq) else float("nan")
+            for batch, weight, seed in passes:
+                ctx = seeded(seed, device) if seed is not None else contextlib.nullcontext()
+                with ctx, deterministic(seed is not None and guard.config.use_deterministic):
+                    loss = guard.loss_fn(guard.module, batch) * weight
+                    grads = torch.autograd.grad(loss, guard.params, allow_unused=True)
+                acc = [a if g is None else (g if a is None else a + g) for a, g in zip(acc, grads)]
+        present = [g.float() for g in acc if g is not None]
+        again = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in present]))) \
+            if present else 0.0
         mine = {"rank": guard.rank, "rerun_norm": again,
                 "classification": "transient" if _healthy(again, bound) else "persistent"}
     reruns = [r for r in guard.comm.gather_objects(mine) if r is not None]

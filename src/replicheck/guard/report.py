@@ -2,25 +2,19 @@
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING, Any, Sequence
 
-from replicheck.incident import Incident, Suspect, make_incident_id, write_incident
 from replicheck.guard.verdict import Finding, primary
+from replicheck.incident import (
+    Incident,
+    Suspect,
+    json_safe,
+    make_incident_id,
+    write_incident,
+)
 
 if TYPE_CHECKING:
     from replicheck.guard.core import Guard
-
-
-def _jsonable(value: Any) -> Any:
-    """Evidence as strict JSON: non-finite floats become strings."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    return value
 
 
 class IncidentBuilder:
@@ -36,7 +30,7 @@ class IncidentBuilder:
         candidates = tuple(Suspect(rank=r, node=g.nodes[r]) for r in main.candidates)
         names = [s.node.name for s in (suspects or candidates)]
         evidence: dict[str, Any] = {
-            f.check: {**_jsonable(f.evidence), "suspects": list(f.suspects), "candidates": list(f.candidates),
+            f.check: {**json_safe(f.evidence), "suspects": list(f.suspects), "candidates": list(f.candidates),
                       "classification": f.classification if f.suspects else "ambiguous"}
             for f in findings
         }

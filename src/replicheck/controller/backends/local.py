@@ -15,7 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from replicheck.controller.backends.base import NodeInfo, ResumeRequest, validate_node_name
+from replicheck.controller.backends.base import (
+    NodeInfo,
+    ResumeRequest,
+    validate_node_name,
+)
 from replicheck.controller.errors import PermanentBackendError
 
 _SCHEMA = """

@@ -9,7 +9,11 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from replicheck.controller.backends.base import NodeInfo, ResumeRequest, validate_node_name
+from replicheck.controller.backends.base import (
+    NodeInfo,
+    ResumeRequest,
+    validate_node_name,
+)
 from replicheck.controller.backends.commands import CommandRunner
 from replicheck.controller.errors import ConfigError, NotYet, PermanentBackendError
 
