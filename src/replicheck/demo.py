@@ -21,8 +21,9 @@ from replicheck.checkpoint import CheckpointStore
 from replicheck.controller import Controller, ControllerConfig, LocalBackend
 from replicheck.faults.campaign import resolve
 from replicheck.faults.scenarios import JobDefaults, Scenario, default_scenarios, select
+from replicheck.guard import GuardConfig
 from replicheck.incident import Incident, write_incident
-from replicheck.jobs import JobResult, train
+from replicheck.jobs import JobResult, JobSpec, train
 from replicheck.launch import run_local
 
 
@@ -111,7 +112,12 @@ def run_demo(config: DemoConfig, out: TextIO = sys.stdout) -> dict[str, Any]:
     incident_d = first[0].incident
     if incident_d is None:
         say("result", f"no incident; training reached step {first[0].last_step}")
-        facts.update(detected=False, final_equal=None)
+        equal = None
+        if fault is not None:
+            equal = _states_equal(first, _clean_run(say, spec, guard, job, ranks_nodes))
+            say("proof", "final weights equal a clean run's: the fault changed nothing" if equal else
+                "final weights DIFFER from a clean run: the fault went undetected (see the scenario's note)")
+        facts.update(detected=False, final_equal=equal, note=scenario.note)
         return _finish(root, say, facts, config, first, None)
 
     incident = Incident.from_dict(incident_d)
@@ -169,17 +175,21 @@ def run_demo(config: DemoConfig, out: TextIO = sys.stdout) -> dict[str, Any]:
     resume_s = time.monotonic() - t_resume
     say("resumed", f"training finished at step {second[0].last_step} (resumed from {second[0].resumed_from})")
 
-    say("reference", "training a clean run of the same length for the bit-for-bit comparison")
-    clean_spec = dataclasses.replace(spec, setup=_clean_setup(job), checkpoint_dir=None, report_every=0,
-                                     guard=dataclasses.replace(guard, incident_dir=None))
-    clean = run_local(train, ranks_nodes, args=(clean_spec,), timeout=900)
-    equal = _states_equal(second, clean)
+    equal = _states_equal(second, _clean_run(say, spec, guard, job, ranks_nodes))
     say("proof", ("final weights are bit-for-bit identical to a clean run of the same length"
                   if equal else "final weights DIFFER from the clean run"))
     facts.update(resumed_from=second[0].resumed_from, final_step=second[0].last_step, final_equal=equal,
                  replacement=replaced, first_job_s=round(first_job_s, 1), resume_s=round(resume_s, 1),
                  recomputed_steps=(incident.step - (second[0].resumed_from or 0) - 1))
     return _finish(root, say, facts, config, first, second)
+
+
+def _clean_run(say: _Printer, spec: JobSpec, guard: GuardConfig, job: Any, nodes: list[str]) -> list[JobResult]:
+    """The same job without the fault, from scratch, for the bit-for-bit comparison."""
+    say("reference", "training a clean run of the same length for the bit-for-bit comparison")
+    clean_spec = dataclasses.replace(spec, setup=_clean_setup(job), checkpoint_dir=None, report_every=0,
+                                     guard=dataclasses.replace(guard, incident_dir=None))
+    return run_local(train, nodes, args=(clean_spec,), timeout=900)
 
 
 def _clean_setup(job: Any) -> Any:
@@ -224,7 +234,10 @@ def _finish(root: Path, say: _Printer, facts: dict[str, Any], config: DemoConfig
 
 def _summary(f: dict[str, Any]) -> str:
     if not f.get("detected"):
-        return "No incident was raised in this scenario (see docs/results for what each check catches)."
+        if f.get("final_equal") is False:
+            return ("No incident was raised, and the final weights differ from a clean run: this fault "
+                    f"went undetected. {f.get('note', '')}".strip())
+        return "No incident was raised in this scenario, and nothing was lost."
     inc = f["incident"]
     onset = 23 if f["scenario"].startswith("aws") else None
     applied = f"steps {onset}-{inc['step'] - 1} were applied before detection, as in the reference; " if onset else ""

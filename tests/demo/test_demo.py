@@ -32,3 +32,17 @@ def test_demo_detects_replaces_resumes_and_loses_nothing(tmp_path: Path) -> None
     assert facts["final_equal"] is True
     assert "approved automatically" in proc.stdout and "bit-for-bit identical" in proc.stdout
     assert (out / "incidents" / f"{inc['id']}.json").exists()
+
+
+@pytest.mark.timeout(600)
+def test_demo_scenario_reports_an_undetected_fault_honestly(tmp_path: Path) -> None:
+    """`--scenario transient-unverified` raises no incident and says the weights differ from a clean run."""
+    out = tmp_path / "demo"
+    proc = subprocess.run(
+        [sys.executable, "-m", "replicheck", "demo", "--yes", "--scenario", "transient-unverified", "--out", str(out)],
+        capture_output=True, text=True, timeout=550, stdin=subprocess.DEVNULL,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    facts = json.loads((out / "demo.json").read_text())
+    assert facts["detected"] is False and facts["final_equal"] is False
+    assert "went undetected" in facts["summary"]

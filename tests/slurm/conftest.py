@@ -22,6 +22,15 @@ def _unavailable() -> str | None:
     return None
 
 
+def _require_slurm() -> None:
+    """Skip outside CI (not root, or Slurm not installed); in CI the tests must run."""
+    reason = _unavailable()
+    if reason:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI=true but the Slurm tests cannot run: {reason}")
+        pytest.skip(reason)
+
+
 def _short_tmp() -> Path:
     # Unix socket paths are limited to 108 bytes; pytest's tmp paths can be longer.
     return Path(tempfile.mkdtemp(prefix="rc-slurm-", dir="/tmp"))
@@ -30,11 +39,7 @@ def _short_tmp() -> Path:
 @pytest.fixture(scope="session")
 def slurm_cluster() -> Iterator[SlurmCluster]:
     """A 4-node cluster (node1..node4 in partition debug) for the whole session."""
-    reason = _unavailable()
-    if reason:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"CI=true but the Slurm tests cannot run: {reason}")
-        pytest.skip(reason)
+    _require_slurm()
     cluster = SlurmCluster(_short_tmp())
     try:
         cluster.start()
@@ -54,11 +59,7 @@ def slurm(slurm_cluster: SlurmCluster) -> SlurmCluster:
 @pytest.fixture
 def private_slurm() -> Iterator[SlurmCluster]:
     """A cluster of its own, for tests that stop its slurmctld."""
-    reason = _unavailable()
-    if reason:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"CI=true but the Slurm tests cannot run: {reason}")
-        pytest.skip(reason)
+    _require_slurm()
     cluster = SlurmCluster(_short_tmp(), nodes=2)
     try:
         cluster.start()
