@@ -13,10 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import ckpt_faults
 import pytest
 
 from replicheck.checkpoint import CheckpointStore
+from replicheck.faults import Fault
+from replicheck.faults.campaign import install_for_campaign
 from replicheck.guard import GuardConfig
 from replicheck.jobs import JobResult, JobSpec, train
 from replicheck.launch import node_names, run_local
@@ -25,7 +26,9 @@ from replicheck.workloads import DecoderConfig
 MODEL = DecoderConfig(d_model=32, n_layers=2, n_heads=4, seq_len=16)
 END = 33  # steps 0..32: the resumed part 21..32 includes the verification at step 30
 GUARD = GuardConfig(verify_every=10, weights_every=10)
-FAULT = functools.partial(ckpt_faults.forward_fault, rank=1, onset=23)
+# Bad hardware on rank 1 from step 23, through the public injector.
+FAULT = functools.partial(install_for_campaign, noise=None,
+                          fault=Fault.at_forward("blocks.0.ffn").persistent(from_step=23).scale(2.0).on_rank(1))
 
 
 def _run(**kw: Any) -> list[JobResult]:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import guard_faults as gf
 import pytest
 import torch
 
-import guard_faults as gf
 from replicheck.guard import GuardConfig
 from replicheck.jobs import JobResult, JobSpec, train
 from replicheck.launch import node_names, run_local

@@ -10,7 +10,13 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from replicheck.guard import CorruptionDetected, Guard, GuardConfig, current_step, is_replaying
+from replicheck.guard import (
+    CorruptionDetected,
+    Guard,
+    GuardConfig,
+    current_step,
+    is_replaying,
+)
 from replicheck.launch import RankContext, node_names, run_local
 
 

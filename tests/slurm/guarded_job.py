@@ -16,23 +16,6 @@ import os
 import sys
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
-
-
-def forward_fault(model: Any, onset: int) -> None:
-    """From step ``onset``: add 1.0 to one activation of block 0's feed-forward output."""
-    import torch
-
-    from replicheck.guard import current_step
-
-    def hook(mod: Any, inp: Any, out: torch.Tensor) -> torch.Tensor | None:
-        if current_step() < onset:
-            return None
-        out = out.clone()
-        out.view(-1)[7] += 1.0
-        return out
-
-    getattr(model, "module", model).blocks[0].ffn.register_forward_hook(hook)
 
 
 def main() -> int:
@@ -53,6 +36,7 @@ def main() -> int:
 
     from replicheck.checkpoint import CheckpointStore
     from replicheck.codes import EXIT_CORRUPTION
+    from replicheck.faults import Fault
     from replicheck.guard import CorruptionDetected, Guard, GuardConfig
     from replicheck.incident import write_incident
     from replicheck.jobs import JobSpec, batch_for, build
@@ -78,11 +62,13 @@ def main() -> int:
             start = store.load(ckpt, model, opt) + 1
             (out / f"resumed-{rank}").write_text(f"{here} {start - 1}\n")
         # node=None: the guard names this task's node from the environment (SLURMD_NODENAME).
-        guard = Guard(model, opt, lm_loss, config=GuardConfig(verify_every=10, weights_every=10, start_step=start))
-        if store.loaded is not None:
-            guard.last_verified_step = store.loaded.checkpoint.last_verified_step
-        if args.fault_rank == rank:
-            forward_fault(model, args.fault_onset)
+        verified = store.loaded.checkpoint.last_verified_step if store.loaded is not None else None
+        guard = Guard(model, opt, lm_loss, config=GuardConfig(verify_every=10, weights_every=10, start_step=start,
+                                                              resume_verified_step=verified))
+        if args.fault_rank is not None:
+            # Bad hardware on one rank: the public injector, a no-op on every other rank.
+            Fault.at_forward("blocks.0.ffn").persistent(from_step=args.fault_onset).scale(2.0) \
+                .on_rank(args.fault_rank).install(model, optimizer=opt, guard=guard, rank=rank)
         try:
             for step in range(start, args.stop_step):
                 guard.step(*batch_for(spec, step, rank))
