@@ -31,6 +31,18 @@ def _require_slurm() -> None:
         pytest.skip(reason)
 
 
+def _running_cluster(nodes: int) -> Iterator[SlurmCluster]:
+    """Start a cluster of ``nodes`` (skipping outside CI if Slurm cannot run), stop it after."""
+    _require_slurm()
+    cluster = SlurmCluster(_short_tmp(), nodes=nodes)
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+        shutil.rmtree(cluster.root, ignore_errors=True)
+
+
 def _short_tmp() -> Path:
     # Unix socket paths are limited to 108 bytes; pytest's tmp paths can be longer.
     return Path(tempfile.mkdtemp(prefix="rc-slurm-", dir="/tmp"))
@@ -39,14 +51,7 @@ def _short_tmp() -> Path:
 @pytest.fixture(scope="session")
 def slurm_cluster() -> Iterator[SlurmCluster]:
     """A 4-node cluster (node1..node4 in partition debug) for the whole session."""
-    _require_slurm()
-    cluster = SlurmCluster(_short_tmp())
-    try:
-        cluster.start()
-        yield cluster
-    finally:
-        cluster.stop()
-        shutil.rmtree(cluster.root, ignore_errors=True)
+    yield from _running_cluster(nodes=4)
 
 
 @pytest.fixture
@@ -59,11 +64,4 @@ def slurm(slurm_cluster: SlurmCluster) -> SlurmCluster:
 @pytest.fixture
 def private_slurm() -> Iterator[SlurmCluster]:
     """A cluster of its own, for tests that stop its slurmctld."""
-    _require_slurm()
-    cluster = SlurmCluster(_short_tmp(), nodes=2)
-    try:
-        cluster.start()
-        yield cluster
-    finally:
-        cluster.stop()
-        shutil.rmtree(cluster.root, ignore_errors=True)
+    yield from _running_cluster(nodes=2)

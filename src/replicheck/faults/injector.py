@@ -7,7 +7,7 @@ A :class:`Fault` is a frozen, picklable description built by chaining small call
              .bitflip(bit=22)                       # what
              .on_rank(1).seeded(7))
     handle = fault.install(model, optimizer=opt, guard=guard)   # on every rank; acts on rank 1
-    ...
+    # train as usual
     handle.records        # every corruption made: step, pass, tensor, positions, old/new values
     handle.remove()
 
