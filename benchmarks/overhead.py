@@ -24,8 +24,8 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from replicheck.guard import Guard, GuardConfig
-from replicheck.launch import RankContext, node_names, run_local
-from replicheck.workloads import DecoderConfig, lm_loss, make_model, synthetic_batch
+from replicheck.harness.launch import RankContext, node_names, run_local
+from replicheck.harness.workloads import DecoderConfig, lm_loss, make_model, synthetic_batch
 
 MODEL = DecoderConfig(vocab=1024, d_model=256, n_layers=4, n_heads=8, seq_len=256)
 

@@ -19,12 +19,12 @@ from typing import Any, Callable, TextIO
 
 from replicheck.checkpoint import CheckpointStore
 from replicheck.controller import Controller, ControllerConfig, LocalBackend
-from replicheck.faults.campaign import resolve
-from replicheck.faults.scenarios import JobDefaults, Scenario, default_scenarios, select
+from replicheck.campaign.runner import resolve
+from replicheck.campaign.scenarios import JobDefaults, Scenario, default_scenarios, select
 from replicheck.guard import GuardConfig
 from replicheck.incident import Incident, write_incident
-from replicheck.jobs import JobResult, JobSpec, train
-from replicheck.launch import run_local
+from replicheck.harness.jobs import JobResult, JobSpec, train
+from replicheck.harness.launch import run_local
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -196,7 +196,7 @@ def _clean_setup(job: Any) -> Any:
     """The scenario's setup without the fault (kernel noise, if any, stays: it is not a fault)."""
     import functools
 
-    from replicheck.faults.campaign import install_for_campaign
+    from replicheck.campaign.runner import install_for_campaign
 
     return functools.partial(install_for_campaign, fault=None, noise=job.scenario.noise)
 
@@ -253,7 +253,7 @@ def _summary(f: dict[str, Any]) -> str:
 
 
 def _plot(root: Path, facts: dict[str, Any], first: list[JobResult], second: list[JobResult] | None) -> Path | None:
-    from replicheck.faults import plots
+    from replicheck.campaign import plots
 
     if not plots.available():
         return None

@@ -9,7 +9,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from replicheck.guard import Guard, GuardConfig
-from replicheck.launch import RankContext, run_local
+from replicheck.harness.launch import RankContext, run_local
 
 
 def _loss(module: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:

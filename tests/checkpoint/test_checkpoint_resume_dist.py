@@ -17,11 +17,11 @@ import pytest
 
 from replicheck.checkpoint import CheckpointStore
 from replicheck.faults import Fault
-from replicheck.faults.campaign import install_for_campaign
+from replicheck.campaign.runner import install_for_campaign
 from replicheck.guard import GuardConfig
-from replicheck.jobs import JobResult, JobSpec, train
-from replicheck.launch import node_names, run_local
-from replicheck.workloads import DecoderConfig
+from replicheck.harness.jobs import JobResult, JobSpec, train
+from replicheck.harness.launch import node_names, run_local
+from replicheck.harness.workloads import DecoderConfig
 
 MODEL = DecoderConfig(d_model=32, n_layers=2, n_heads=4, seq_len=16)
 END = 33  # steps 0..32: the resumed part 21..32 includes the verification at step 30

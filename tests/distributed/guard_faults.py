@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from replicheck.guard import Guard, current_pass, current_step
-from replicheck.launch import RankContext
+from replicheck.harness.launch import RankContext
 
 
 def _bare(model: torch.nn.Module) -> torch.nn.Module:

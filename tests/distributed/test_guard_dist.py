@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from replicheck.guard import GuardConfig
-from replicheck.jobs import JobResult, JobSpec, train
-from replicheck.launch import node_names, run_local
-from replicheck.workloads import DecoderConfig
+from replicheck.harness.jobs import JobResult, JobSpec, train
+from replicheck.harness.launch import node_names, run_local
+from replicheck.harness.workloads import DecoderConfig
 
 TINY = DecoderConfig(vocab=64, d_model=32, n_layers=2, n_heads=2, seq_len=16)
 

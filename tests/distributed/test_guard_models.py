@@ -17,7 +17,7 @@ from replicheck.guard import (
     current_step,
     is_replaying,
 )
-from replicheck.launch import RankContext, node_names, run_local
+from replicheck.harness.launch import RankContext, node_names, run_local
 
 
 class BNNet(nn.Module):

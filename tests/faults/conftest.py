@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from replicheck.workloads import DecoderConfig, make_model, synthetic_batch
+from replicheck.harness.workloads import DecoderConfig, make_model, synthetic_batch
 
 TINY = DecoderConfig(vocab=64, d_model=16, n_layers=1, n_heads=2, seq_len=8)
 

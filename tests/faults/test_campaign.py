@@ -7,16 +7,16 @@ from pathlib import Path
 
 import pytest
 
-from replicheck.faults.campaign import run_campaign
+from replicheck.campaign.runner import run_campaign
 from replicheck.faults.errors import FaultConfigError
-from replicheck.faults.report import markdown
-from replicheck.faults.scenarios import (
+from replicheck.campaign.report import markdown
+from replicheck.campaign.scenarios import (
     JobDefaults,
     default_scenarios,
     fast_scenarios,
     select,
 )
-from replicheck.faults.soak import soak_model
+from replicheck.campaign.soak import soak_model
 
 
 def _tiny(**kw: object) -> JobDefaults:

@@ -7,11 +7,11 @@ import functools
 import pytest
 
 from replicheck.faults import Fault
-from replicheck.faults.campaign import install_for_campaign
-from replicheck.faults.soak import soak_model
+from replicheck.campaign.runner import install_for_campaign
+from replicheck.campaign.soak import soak_model
 from replicheck.guard import GuardConfig
-from replicheck.jobs import JobSpec, train
-from replicheck.launch import node_names, run_local
+from replicheck.harness.jobs import JobSpec, train
+from replicheck.harness.launch import node_names, run_local
 
 
 @pytest.mark.timeout(120)

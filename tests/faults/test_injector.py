@@ -9,7 +9,7 @@ import torch
 
 from replicheck.faults import Fault, FaultConfigError, KernelNoise
 from replicheck.guard.context import running
-from replicheck.workloads import lm_loss
+from replicheck.harness.workloads import lm_loss
 
 
 def _grads(model: torch.nn.Module, batch: dict[str, torch.Tensor], step: int, pass_: Any = "train") -> dict[str, torch.Tensor]:

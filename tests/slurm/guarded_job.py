@@ -39,10 +39,10 @@ def main() -> int:
     from replicheck.faults import Fault
     from replicheck.guard import CorruptionDetected, Guard, GuardConfig
     from replicheck.incident import write_incident
-    from replicheck.jobs import JobSpec, batch_for, build
-    from replicheck.launch import RankContext
-    from replicheck.runtime import RuntimeInfo
-    from replicheck.workloads import DecoderConfig, lm_loss
+    from replicheck.harness.jobs import JobSpec, batch_for, build
+    from replicheck.harness.launch import RankContext
+    from replicheck.guard.runtime import RuntimeInfo
+    from replicheck.harness.workloads import DecoderConfig, lm_loss
 
     torch.set_num_threads(1)
     rank, world = int(os.environ["SLURM_PROCID"]), int(os.environ["SLURM_NTASKS"])

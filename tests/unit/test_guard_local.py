@@ -15,7 +15,7 @@ from replicheck.guard import (
     current_pass,
 )
 from replicheck.guard.batch import batch_size, split
-from replicheck.workloads import DecoderConfig, lm_loss, make_model, synthetic_batch
+from replicheck.harness.workloads import DecoderConfig, lm_loss, make_model, synthetic_batch
 
 pytestmark = pytest.mark.timeout(60)
 TINY = DecoderConfig(vocab=32, d_model=16, n_layers=1, n_heads=2, seq_len=8)

@@ -41,7 +41,7 @@ from replicheck.checkpoint.policy import (
     eligible,
 )
 from replicheck.incident import Incident, IncidentFormatError, read_incident
-from replicheck.modules import unwrap
+from replicheck.guard.modules import unwrap
 
 if TYPE_CHECKING:
     from replicheck.guard import Guard

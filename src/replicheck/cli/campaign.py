@@ -84,11 +84,11 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     if args.soak is not None:
         return _soak(args, out)
-    from replicheck.faults import plots, report
-    from replicheck.faults.campaign import run_campaign
+    from replicheck.campaign import plots, report
+    from replicheck.campaign.runner import run_campaign
     from replicheck.faults.errors import FaultConfigError
-    from replicheck.faults.scenarios import JobDefaults, default_scenarios, select
-    from replicheck.faults.soak import soak_model
+    from replicheck.campaign.scenarios import JobDefaults, default_scenarios, select
+    from replicheck.campaign.soak import soak_model
 
     try:
         scenarios = select(default_scenarios(), args.scenarios)
@@ -138,7 +138,7 @@ def _soak(args: argparse.Namespace, out: Path) -> int:
 
     import torch
 
-    from replicheck.faults.soak import SoakConfig, run_soak, soak_markdown
+    from replicheck.campaign.soak import SoakConfig, run_soak, soak_markdown
 
     cfg = SoakConfig(pairs=args.soak, nodes=args.nodes, gpus_per_node=args.gpus_per_node, mode=args.mode,
                      weights_every=args.weights_every or 1, seed=args.seed)

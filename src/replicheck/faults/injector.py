@@ -52,7 +52,7 @@ from replicheck.faults.sites import (
     WeightsAtRest,
     context,
 )
-from replicheck.modules import unwrap
+from replicheck.guard.modules import unwrap
 
 PASSES: tuple[str, ...] = ("train", "probe", "replay", "optimizer", "rebuild", "idle", "selftest")
 

@@ -14,7 +14,7 @@ from typing import Any, Callable
 import torch
 
 from replicheck.faults.errors import FaultConfigError
-from replicheck.modules import unwrap
+from replicheck.guard.modules import unwrap
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -35,7 +35,7 @@ from replicheck.guard.report import IncidentBuilder
 from replicheck.guard.ring import Ring
 from replicheck.guard.verdict import Finding, tolerance
 from replicheck.incident import NodeIdentity
-from replicheck.runtime import RuntimeInfo
+from replicheck.guard.runtime import RuntimeInfo
 
 # Columns of the row every rank contributes to the step's single all-gather.
 _LOCAL_NORM, _REDUCED, _WEIGHTS, _OPT, _VERIFIED, _PAIR, _NOISE, _LOSS = range(8)

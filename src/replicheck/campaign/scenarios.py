@@ -13,7 +13,7 @@ from typing import Literal
 from replicheck.faults.errors import FaultConfigError
 from replicheck.faults.injector import Fault
 from replicheck.faults.noise import KernelNoise
-from replicheck.workloads import DecoderConfig
+from replicheck.harness.workloads import DecoderConfig
 
 Expect = Literal["detect", "undetected", "clean"]
 

@@ -11,9 +11,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from replicheck import fingerprint as fp
 from replicheck.guard import CorruptionDetected, Guard, GuardConfig
-from replicheck.launch import RankContext
-from replicheck.modules import unwrap
-from replicheck.workloads import DecoderConfig, lm_loss, make_model, synthetic_batch
+from replicheck.harness.launch import RankContext
+from replicheck.guard.modules import unwrap
+from replicheck.harness.workloads import DecoderConfig, lm_loss, make_model, synthetic_batch
 
 Setup = Callable[[RankContext, torch.nn.Module, torch.optim.Optimizer, Guard], Any]
 """Called on every rank after the guard is built (install faults, hooks...); must be picklable."""

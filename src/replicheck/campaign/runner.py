@@ -1,6 +1,6 @@
 """The campaign runner: each scenario as a local multi-process guarded job, then its outcome.
 
-A scenario runs as a gloo job on simulated nodes (:func:`replicheck.launch.run_local`); the
+A scenario runs as a gloo job on simulated nodes (:func:`replicheck.harness.launch.run_local`); the
 fault is installed by the job's per-rank setup hook, which hands the injector's records back
 with the rank's result, so the outcome says what was really corrupted, not what was intended.
 """
@@ -16,10 +16,10 @@ import torch
 
 from replicheck.faults.injector import Corruption, Fault
 from replicheck.faults.noise import KernelNoise
-from replicheck.faults.scenarios import JobDefaults, Scenario
+from replicheck.campaign.scenarios import JobDefaults, Scenario
 from replicheck.guard import GuardConfig
-from replicheck.jobs import JobResult, JobSpec, train
-from replicheck.launch import RankContext, node_names, run_local
+from replicheck.harness.jobs import JobResult, JobSpec, train
+from replicheck.harness.launch import RankContext, node_names, run_local
 
 _MAX_RECORDS = 50
 

@@ -20,10 +20,10 @@ from typing import Any, Callable
 import torch
 
 from replicheck.guard import GuardConfig, current_pass, current_step
-from replicheck.jobs import JobSpec, train
-from replicheck.launch import RankContext, node_names, run_local
-from replicheck.modules import unwrap
-from replicheck.workloads import DecoderConfig
+from replicheck.harness.jobs import JobSpec, train
+from replicheck.harness.launch import RankContext, node_names, run_local
+from replicheck.guard.modules import unwrap
+from replicheck.harness.workloads import DecoderConfig
 
 
 def soak_model() -> DecoderConfig:
