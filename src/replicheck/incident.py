@@ -16,6 +16,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
+from replicheck.timefmt import utc_iso
+
 SCHEMA = "replicheck.incident"
 SCHEMA_VERSION = 1
 
@@ -79,10 +81,6 @@ class Suspect:
         return cls(rank=rank, node=NodeIdentity.from_dict(node))
 
 
-def _now() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
-
-
 @dataclass(frozen=True)
 class Incident:
     """One detection, as the job saw it. Every rank holds an identical copy."""
@@ -115,7 +113,7 @@ class Incident:
     """Number of ranks in the job."""
     checks_failed: tuple[str, ...] = ()
     """Every check that failed on this step (``check`` is the first of these)."""
-    time: str = field(default_factory=_now)
+    time: str = field(default_factory=utc_iso)
     """When the incident was raised, ISO 8601 with UTC offset."""
     version: int = SCHEMA_VERSION
     """Schema version of this record."""

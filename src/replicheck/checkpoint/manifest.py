@@ -7,21 +7,17 @@ version with :class:`ManifestError` and never guesses.
 
 from __future__ import annotations
 
-import datetime as _dt
 import json
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
 
 from replicheck.checkpoint.errors import ManifestError
+from replicheck.timefmt import utc_iso
 
 FORMAT = "replicheck.checkpoint"
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 PAYLOAD_NAME = "state.pt"
-
-
-def _now() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
 
 
 def digest_hex(value: int) -> str:
@@ -57,7 +53,7 @@ class Manifest:
     """Ranks in the job that saved it."""
     replicas_checked: bool = False
     """True when the guard's cross-replica agreement check passed right before saving."""
-    time: str = field(default_factory=_now)
+    time: str = field(default_factory=utc_iso)
     """When it was written, ISO 8601 with UTC offset."""
     format: str = FORMAT
     """Always ``replicheck.checkpoint``."""

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
+from replicheck.timefmt import utc_iso_us
 from replicheck.controller import ingest as _ingest
 from replicheck.controller.backends.base import Backend, NodeInfo
 from replicheck.controller.config import ControllerConfig
@@ -179,13 +180,13 @@ class Controller:
         now = self._clock()
         since = now - _dt.timedelta(seconds=self.config.replacement_window_s)
         return Tick(
-            now=_iso(now),
+            now=utc_iso_us(now),
             auto_approve=self.config.auto_approve,
             triage=self.config.triage,
             triage_persistent=self.config.triage_persistent,
-            replacements_in_window=self.store.replacements_since(_iso(since)),
+            replacements_in_window=self.store.replacements_since(utc_iso_us(since)),
             max_replacements=self.config.max_replacements,
-            return_deadline=_iso(now + _dt.timedelta(seconds=self.config.return_timeout_s)),
+            return_deadline=utc_iso_us(now + _dt.timedelta(seconds=self.config.return_timeout_s)),
         )
 
     def _execute(self, row: ActionRow, made: list[Transition]) -> bool:
@@ -260,7 +261,7 @@ class Controller:
         return self.backend.list_nodes()
 
     def _now(self) -> str:
-        return _iso(self._clock())
+        return utc_iso_us(self._clock())
 
 
 def _who(by: str) -> str:
@@ -268,7 +269,4 @@ def _who(by: str) -> str:
         raise ConfigError("an approval or dismissal needs the name of the person (--by NAME)")
     return by.strip()
 
-
-def _iso(t: _dt.datetime) -> str:
-    return t.astimezone(_dt.timezone.utc).isoformat(timespec="microseconds")
 

@@ -12,6 +12,7 @@ import datetime as _dt
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
+from replicheck.timefmt import utc_iso_us
 from replicheck.controller.backends.base import Backend, ResumeRequest
 from replicheck.controller.config import ControllerConfig
 from replicheck.controller.errors import (
@@ -57,18 +58,18 @@ class Executor:
     def perform(self, row: ActionRow) -> Outcome:
         now = self._clock()
         if row.kind in DESTRUCTIVE and not self._config.apply:
-            return Deferred(DRY_RUN_NOTE, _iso(now + _seconds(self._config.poll_interval_s)), uncount=False)
+            return Deferred(DRY_RUN_NOTE, utc_iso_us(now + _seconds(self._config.poll_interval_s)), uncount=False)
         with self._store.transaction():
-            self._store.start_attempt(row.key, _iso(now))
+            self._store.start_attempt(row.key, utc_iso_us(now))
         attempts = row.attempts + 1
         try:
             result = self._call(row)
         except NotYet as exc:
             deadline = row.params.get("deadline")
-            if deadline and _iso(self._clock()) >= str(deadline):
+            if deadline and utc_iso_us(self._clock()) >= str(deadline):
                 return ActionDone(row.key, row.kind, row.node,
                                   {"back": False, "replacement": None, "detail": f"not back by {deadline}"})
-            return Deferred(f"waiting: {exc}", _iso(now + _seconds(self._config.return_poll_s)), uncount=True)
+            return Deferred(f"waiting: {exc}", utc_iso_us(now + _seconds(self._config.return_poll_s)), uncount=True)
         except PermanentBackendError as exc:
             return ActionFailed(row.key, row.kind, row.node, str(exc))
         except (TransientBackendError, OSError) as exc:
@@ -77,7 +78,7 @@ class Executor:
                                     f"gave up after {attempts} attempts: {exc}")
             delay = retry_delay(attempts, self._config.retry_base_delay_s, self._config.retry_max_delay_s)
             note = f"attempt {attempts} failed ({exc}); retrying in {delay:g}s"
-            return Deferred(note, _iso(now + _seconds(delay)), uncount=False)
+            return Deferred(note, utc_iso_us(now + _seconds(delay)), uncount=False)
         return ActionDone(row.key, row.kind, row.node, result)
 
     def _call(self, row: ActionRow) -> Mapping[str, Any]:
@@ -109,6 +110,3 @@ class Executor:
 def _seconds(s: float) -> _dt.timedelta:
     return _dt.timedelta(seconds=s)
 
-
-def _iso(t: _dt.datetime) -> str:
-    return t.astimezone(_dt.timezone.utc).isoformat(timespec="microseconds")

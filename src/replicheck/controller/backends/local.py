@@ -8,13 +8,13 @@ no-ops and what tests count.
 
 from __future__ import annotations
 
-import datetime as _dt
 import json
 import sqlite3
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from replicheck.timefmt import utc_iso_us
 from replicheck.controller.backends.base import (
     NodeInfo,
     ResumeRequest,
@@ -149,7 +149,7 @@ class LocalBackend:
         if done is not None:
             return done
         nodes = [n.name for n in self.list_nodes() if n.schedulable and n.name not in request.exclude]
-        now = _now()
+        now = utc_iso_us()
         self._db.execute("BEGIN IMMEDIATE")
         try:
             self._db.execute("INSERT INTO sim_resumes(key, incident_id, job_id, checkpoint, exclude, nodes, at) "
@@ -191,9 +191,6 @@ class LocalBackend:
              replace_ok: bool = False) -> Mapping[str, Any]:
         verb = "INSERT OR REPLACE" if replace_ok else "INSERT OR IGNORE"
         self._db.execute(f"{verb} INTO sim_ops(key, kind, node, result, at) VALUES(?, ?, ?, ?, ?)",
-                         (key, kind, node, json.dumps(dict(result), sort_keys=True), _now()))
+                         (key, kind, node, json.dumps(dict(result), sort_keys=True), utc_iso_us()))
         return result
 
-
-def _now() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="microseconds")
