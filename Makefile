@@ -3,9 +3,9 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-EXTRAS ?= test,plot,progress
+EXTRAS ?= test,plot,progress,lint
 
-.PHONY: demo test bench campaign system-deps clean
+.PHONY: demo test lint bench campaign system-deps clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,13 @@ demo: $(STAMP)
 
 test: $(STAMP) system-deps
 	$(PY) -m pytest
+
+# Style, types (strict on the guard, the contract and the controller) and the import layers.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff format --check src tests benchmarks
+	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
 
 bench: $(STAMP)
 	$(PY) benchmarks/overhead.py
