@@ -42,7 +42,16 @@ class Deferred:
     """Undo this attempt's count: polling is not a failure towards retry_max_attempts."""
 
 
-Outcome = ActionDone | ActionFailed | Deferred
+@dataclass(frozen=True)
+class Skipped:
+    """The action was cancelled or finished after it was listed; nothing was performed."""
+
+    status: str | None
+    """Its status when the executor re-checked it (None: it no longer exists)."""
+
+
+ExecResult = ActionDone | ActionFailed | Deferred | Skipped
+"""What performing one stored action came to."""
 
 
 class Executor:
@@ -55,12 +64,16 @@ class Executor:
         self._config = config
         self._clock = clock
 
-    def perform(self, row: ActionRow) -> Outcome:
+    def perform(self, row: ActionRow) -> ExecResult:
         now = self._clock()
         if row.kind in DESTRUCTIVE and not self._config.apply:
             return Deferred(DRY_RUN_NOTE, utc_iso_us(now + _seconds(self._config.poll_interval_s)), uncount=False)
         with self._store.transaction():
-            self._store.start_attempt(row.key, utc_iso_us(now))
+            # Re-checked in the transaction that starts it: an action cancelled earlier in this
+            # pass (its incident failed or was dismissed) must not run.
+            if not self._store.start_attempt(row.key, utc_iso_us(now)):
+                current = self._store.get_action(row.key)
+                return Skipped(None if current is None else current.status)
         attempts = row.attempts + 1
         try:
             result = self._call(row)

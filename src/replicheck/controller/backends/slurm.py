@@ -181,6 +181,8 @@ class SlurmBackend:
             raise PermanentBackendError(
                 f"self-test on {node} gave no result (exit {out.returncode}): "
                 f"{(out.stderr or out.stdout).strip()[-300:] or 'no output'}") from exc
+        if not isinstance(data, dict):
+            raise PermanentBackendError(f"self-test on {node} printed JSON that is not an object")
         return data
 
     # --- resuming the job -------------------------------------------------------------------
