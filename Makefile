@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 EXTRAS ?= test,plot,progress
 
-.PHONY: demo test bench campaign system-deps clean
+.PHONY: demo test test-slow bench campaign system-deps clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,10 @@ demo: $(STAMP)
 
 test: $(STAMP) system-deps
 	$(PY) -m pytest
+
+# The slow set (e.g. the 5,000-input ingestion fuzz), excluded from `make test`.
+test-slow: $(STAMP) system-deps
+	$(PY) -m pytest -m slow
 
 bench: $(STAMP)
 	$(PY) benchmarks/overhead.py
