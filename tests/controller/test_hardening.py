@@ -158,9 +158,10 @@ def test_suspects_beyond_world_size_are_rejected(env) -> None:  # type: ignore[n
     assert "not below world_size" in (ctl.ingest(bad_rank).rejected or "")
 
 
-@pytest.mark.parametrize("by", ["alice\napproved by mallory", "controller", "auto-approve", "-x", "a b"])
+@pytest.mark.parametrize("by", ["alice\napproved by mallory", "controller", "auto-approve", "-x", "a\tb",
+                                "alice\u202e", "a\rb"])
 def test_forged_or_reserved_approver_names_are_refused(env, by: str) -> None:  # type: ignore[no-untyped-def]
-    """--by with a newline, a space, an option-like or a reserved name is refused and changes nothing."""
+    """--by with a newline, tab, control or non-ASCII character, an option-like or a reserved name is refused."""
     ctl, _, _ = env()
     inc = make_incident()
     ctl.ingest(inc)

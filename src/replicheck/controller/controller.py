@@ -39,8 +39,9 @@ from replicheck.incident import Incident, IncidentFormatError, validate_incident
 MAX_ROUNDS = 50
 """Bound on tick/execute rounds in one pass (each round advances at least one record)."""
 
-PERSON_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@+-]{0,63}")
-"""What ``--by`` accepts: one plain account or e-mail-like name, nothing that can forge a line."""
+PERSON_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9 ._@+-]{0,63}")
+"""What ``--by`` accepts: a plain ASCII name (account, e-mail, or words separated by spaces);
+no newline, tab, control or non-ASCII character that could forge or hide a line."""
 RESERVED_NAMES = frozenset({"auto-approve", "controller", "replicheck", "system"})
 """Approver names the controller uses itself (with its configured ``actor``): refused for people."""
 

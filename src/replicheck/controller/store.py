@@ -10,7 +10,7 @@ import json
 import sqlite3
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Literal, Mapping, Sequence, cast
 
 from replicheck.controller.errors import StoreError, UnknownIncidentError
 from replicheck.controller.model import Action, ActionKind, Record, State
@@ -60,6 +60,9 @@ GENESIS = "0" * 64
 
 ACTIVE = ("pending", "in_flight")
 
+ActionStatus = Literal["pending", "in_flight", "done", "failed", "cancelled"]
+"""pending, in_flight (started, result not recorded), done, failed, cancelled."""
+
 
 @dataclass(frozen=True)
 class ActionRow:
@@ -70,7 +73,7 @@ class ActionRow:
     kind: ActionKind
     node: str | None
     params: Mapping[str, Any]
-    status: str
+    status: ActionStatus
     """pending, in_flight (started, result not recorded), done, failed, cancelled."""
     attempts: int
     next_attempt_at: str
@@ -384,7 +387,7 @@ _ACTION_COLS = "key, incident_id, kind, node, params, status, attempts, next_att
 def _action_row(r: Sequence[Any]) -> ActionRow:
     return ActionRow(
         key=r[0], incident_id=r[1], kind=ActionKind(r[2]), node=r[3], params=json.loads(r[4]),
-        status=r[5], attempts=int(r[6]), next_attempt_at=r[7], last_error=r[8],
+        status=cast(ActionStatus, r[5]), attempts=int(r[6]), next_attempt_at=r[7], last_error=r[8],
         result=None if r[9] is None else json.loads(r[9]),
     )
 
