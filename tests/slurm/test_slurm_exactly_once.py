@@ -5,6 +5,8 @@ custom command's own tally, jobs in squeue, node states."""
 
 from __future__ import annotations
 
+import dataclasses
+import datetime as dt
 import json
 import os
 import signal
@@ -120,3 +122,24 @@ def test_interrupted_custom_replace_is_not_repeated(slurm: SlurmCluster, tmp_pat
     assert summary["state"] == "failed" and "not repeating it" in summary["reason"]
     assert run.replaced_by_script() == 0
     assert os.path.exists(run.db)
+
+
+def test_resubmit_in_doubt_past_min_job_age_is_not_repeated(slurm: SlurmCluster, tmp_path: Path) -> None:
+    """An unrecorded resubmission older than MinJobAge, whose job Slurm no longer lists, is refused rather than repeated."""
+    from test_slurm_backend import backend
+
+    from replicheck.controller.backends.base import ResumeRequest
+    from replicheck.controller.errors import PermanentBackendError
+
+    tally = tmp_path / "sbatch.txt"
+    script = tmp_path / "submit.sh"
+    script.write_text(f'#!/bin/sh\necho "$@" >> {tally}\necho 1\n')
+    script.chmod(0o755)
+    b, _ = backend(slurm, resume_mode="resubmit", resubmit_command=(str(script), "--comment={marker}"))
+    old = ResumeRequest("old-s1-replay", "old", None, (), previous_attempt_at="2020-01-01T00:00:00+00:00")
+    with pytest.raises(PermanentBackendError, match="MinJobAge=600s"):
+        b.resume(old, "old-s1-replay:resume:old")
+    assert not tally.exists()
+    recent = dataclasses.replace(old, previous_attempt_at=dt.datetime.now(dt.timezone.utc).isoformat())
+    b.resume(recent, "old-s1-replay:resume:old")  # absence within MinJobAge proves nothing ran: submit
+    assert len(tally.read_text().splitlines()) == 1

@@ -98,8 +98,9 @@ class Executor:
         b, node, key = self._backend, row.node, row.key
         if row.kind is ActionKind.RESUME:
             checkpoint = row.params.get("checkpoint")
+            in_doubt = row.started_at if row.status == "in_flight" else None
             request = ResumeRequest(row.incident_id, str(row.params["job_id"]), checkpoint,
-                                    tuple(row.params.get("exclude", ())))
+                                    tuple(row.params.get("exclude", ())), previous_attempt_at=in_doubt)
             return b.resume(request, key)
         if node is None:
             raise PermanentBackendError(f"action {key} names no node")

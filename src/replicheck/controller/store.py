@@ -79,6 +79,8 @@ class ActionRow:
     next_attempt_at: str
     last_error: str | None
     result: Mapping[str, Any] | None
+    started_at: str | None = None
+    """When the latest attempt started (with status in_flight: an attempt whose outcome is unknown)."""
 
 
 @dataclass(frozen=True)
@@ -381,14 +383,15 @@ class Store:
                          "DO UPDATE SET mtime_ns=excluded.mtime_ns, size=excluded.size", (path, mtime_ns, size))
 
 
-_ACTION_COLS = "key, incident_id, kind, node, params, status, attempts, next_attempt_at, last_error, result"
+_ACTION_COLS = ("key, incident_id, kind, node, params, status, attempts, next_attempt_at, last_error, result, "
+                "started_at")
 
 
 def _action_row(r: Sequence[Any]) -> ActionRow:
     return ActionRow(
         key=r[0], incident_id=r[1], kind=ActionKind(r[2]), node=r[3], params=json.loads(r[4]),
         status=cast(ActionStatus, r[5]), attempts=int(r[6]), next_attempt_at=r[7], last_error=r[8],
-        result=None if r[9] is None else json.loads(r[9]),
+        result=None if r[9] is None else json.loads(r[9]), started_at=r[10],
     )
 
 

@@ -4,6 +4,7 @@ crash is a no-op; node names are validated before they reach a command line."""
 
 from __future__ import annotations
 
+import datetime as _dt
 import json
 import os
 import re
@@ -278,6 +279,8 @@ class SlurmBackend:
             job_id, _, comment = line.partition(_SEP)
             if comment.strip() == marker:
                 return {"detail": f"already resubmitted as job {job_id.strip()}", "job_id": job_id.strip()}
+        if request.previous_attempt_at is not None:
+            self._check_absence_conclusive(request.previous_attempt_at, marker)
         ckpt = request.checkpoint or {}
         values = _template_values(request, marker)
         argv = []
@@ -293,6 +296,22 @@ class SlurmBackend:
         new_id = result.stdout.strip().split(";")[0].split()[-1] if result.stdout.strip() else "?"
         return {"detail": f"resubmitted job {request.job_id} as {new_id} from step "
                           f"{ckpt.get('step')}", "job_id": new_id}
+
+
+    def _check_absence_conclusive(self, attempt_at: str, marker: str) -> None:
+        """An earlier resubmission may have run. Slurm lists a job until ``MinJobAge`` after it
+        ends, so if that attempt started less than ``MinJobAge`` ago, the marker's absence proves
+        nothing was submitted; otherwise the job may have come and gone: refuse to repeat it."""
+        out = self._run.run([self._bin("scontrol"), "show", "config"]).stdout
+        match = re.search(r"^MinJobAge\s*=\s*([0-9]+)", out, re.MULTILINE)
+        min_age = int(match.group(1)) if match else 0
+        started = _dt.datetime.fromisoformat(attempt_at)
+        age = (_dt.datetime.now(_dt.timezone.utc) - started).total_seconds()
+        if age >= min_age:
+            raise PermanentBackendError(
+                f"a resubmission started at {attempt_at} may have run (no job with comment {marker} is "
+                f"listed, but Slurm forgets finished jobs after MinJobAge={min_age}s); not repeating it: "
+                "check the job, then resubmit it by hand or dismiss the incident")
 
 
 def _template_values(request: ResumeRequest, marker: str) -> dict[str, str]:
