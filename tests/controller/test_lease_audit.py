@@ -128,3 +128,22 @@ class _Open:
 
     def __exit__(self, *exc: object) -> None:
         self.store.close()
+
+
+def test_controller_run_says_the_lease_is_held(tmp_path: Path) -> None:
+    """`controller run` against a database whose lease another controller holds exits 2 with one line saying so."""
+    db = tmp_path / "c.db"
+    cluster(db).close()
+    with Controller(db, config=ControllerConfig()) as holder:
+        holder.reconcile()
+        run = cli("controller", "run", "--db", str(db), "--once")
+    assert run.returncode == 2 and "another controller holds the lease" in run.stderr, run.stderr
+    assert "Traceback" not in run.stderr
+
+
+def test_api_source_with_lone_surrogate_is_stored(tmp_path: Path) -> None:
+    """An API caller's source label with a lone surrogate is stored escaped, not a crash."""
+    with Controller(tmp_path / "c.db") as ctl:
+        result = ctl.ingest(make_incident(), source="api:\ud800")
+        assert result.incident_id is not None
+        assert ctl.show(make_incident().id).incident.source == "api:\\ud800"

@@ -3,6 +3,7 @@ machine (machine.py) to the store and the executor; it decides nothing itself.""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import os
 import pwd
@@ -113,6 +114,7 @@ class Controller:
     def ingest(self, incident: Incident, source: str = "api") -> IngestResult:
         """Store an incident (or merge a duplicate); the next reconcile pass acts on it. One
         that breaks the ingest grammar is rejected (kept with the reason), never acted on."""
+        source = _storable(source)
         try:
             validate_incident(incident)
         except IncidentFormatError as exc:
@@ -165,6 +167,7 @@ class Controller:
         return results
 
     def _ingest_parsed(self, parsed: _ingest.Parsed) -> IngestResult:
+        parsed = dataclasses.replace(parsed, source=_storable(parsed.source))
         if parsed.incident is not None:
             result = self.ingest(parsed.incident, parsed.source)
             if result.incident_id is not None:
@@ -317,6 +320,11 @@ class Controller:
 
     def _now(self) -> str:
         return utc_iso_us(self._clock())
+
+
+def _storable(text: str) -> str:
+    # A caller-supplied source may hold lone surrogates, which SQLite cannot store.
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def os_account() -> str:
