@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
-from replicheck.timefmt import utc_iso_us
 from replicheck.controller import ingest as _ingest
 from replicheck.controller.backends.base import Backend, NodeInfo
 from replicheck.controller.config import ControllerConfig
@@ -36,6 +35,7 @@ from replicheck.controller.model import (
 )
 from replicheck.controller.store import ActionRow, AuditRow, IncidentRow, Store
 from replicheck.incident import Incident, IncidentFormatError, validate_incident
+from replicheck.timefmt import utc_iso_us
 
 MAX_ROUNDS = 50
 """Bound on tick/execute rounds in one pass (each round advances at least one record)."""

@@ -12,7 +12,6 @@ import datetime as _dt
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from replicheck.timefmt import utc_iso_us
 from replicheck.controller.backends.base import Backend, ResumeRequest
 from replicheck.controller.config import ControllerConfig
 from replicheck.controller.errors import (
@@ -28,6 +27,7 @@ from replicheck.controller.model import (
 )
 from replicheck.controller.policy import cordon_refusal, retry_delay
 from replicheck.controller.store import ActionRow, Store
+from replicheck.timefmt import utc_iso_us
 
 DRY_RUN_NOTE = "dry-run: not performed (pass --apply or set apply = true)"
 
