@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 EXTRAS ?= test,plot,progress,lint
 
-.PHONY: demo test lint bench campaign system-deps clean
+.PHONY: demo test test-slow lint bench campaign system-deps clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,10 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check src tests benchmarks
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
+
+# The slow set (e.g. the 5,000-input ingestion fuzz), excluded from `make test`.
+test-slow: $(STAMP) system-deps
+	$(PY) -m pytest -m slow
 
 bench: $(STAMP)
 	$(PY) benchmarks/overhead.py

@@ -11,6 +11,7 @@ import datetime as _dt
 import json
 import math
 import os
+import re
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -24,8 +25,25 @@ SCHEMA_VERSION = 1
 Check = Literal["replay", "gradients", "reduced_gradients", "weights", "optimizer_state"]
 Classification = Literal["persistent", "transient", "ambiguous"]
 
-CHECKS: tuple[str, ...] = ("replay", "gradients", "reduced_gradients", "weights", "optimizer_state")
-CLASSIFICATIONS: tuple[str, ...] = ("persistent", "transient", "ambiguous")
+CHECKS: tuple[Check, ...] = ("replay", "gradients", "reduced_gradients", "weights", "optimizer_state")
+CLASSIFICATIONS: tuple[Classification, ...] = ("persistent", "transient", "ambiguous")
+
+# The input grammar the controller enforces at ingest (docs/controller.md). Plain ASCII only, so
+# a value can reach a scheduler's argv or a terminal without quoting or escaping.
+NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+"""A node name: one plain host name, never a hostlist expression, option or ``key=value``."""
+JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,127}")
+"""A job id (a Slurm id such as ``123``, ``123_4``, ``123+0``, or a name given to the guard)."""
+INCIDENT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:+-]{0,254}")
+"""An incident id (``<job>-s<step>-<check>``)."""
+CHECKPOINT_PATH = re.compile(r"[^\x00-\x1f\x7f-\x9f-][^\x00-\x1f\x7f-\x9f]{0,4095}")
+"""A checkpoint path: printable, no control character, not option-like (no leading ``-``)."""
+MAX_EVIDENCE_DEPTH = 32
+"""Deepest nesting of lists and objects accepted anywhere in an incident."""
+MAX_STEP = 2**62
+"""Largest step, rank or world size accepted (SQLite integers are 64-bit)."""
+MAX_TIME_SKEW = _dt.timedelta(days=366)
+"""An incident's time may be at most this far in the future of the reader's clock."""
 
 
 class IncidentFormatError(ValueError):
@@ -133,20 +151,20 @@ class Incident:
         if not isinstance(data, Mapping):
             raise IncidentFormatError("an incident must be a JSON object")
         if data.get("schema") != SCHEMA:
-            raise IncidentFormatError(f"not a replicheck incident (schema={data.get('schema')!r})")
+            raise IncidentFormatError(f"not a replicheck incident (schema={_short(data.get('schema'))})")
         version = data.get("version")
         if version != SCHEMA_VERSION:
             raise IncidentFormatError(
-                f"unsupported incident version {version!r}; this build reads version {SCHEMA_VERSION}"
+                f"unsupported incident version {_short(version)}; this build reads version {SCHEMA_VERSION}"
             )
         return cls(
             id=_req_str(data, "id"),
             job_id=_req_str(data, "job_id"),
             step=_req_int(data, "step"),
-            check=_req_choice(data, "check", CHECKS),  # type: ignore[arg-type]
+            check=_req_check(data),
             suspect_ranks=tuple(_int_list(data, "suspect_ranks")),
             suspect_nodes=tuple(_str_list(data, "suspect_nodes")),
-            classification=_req_choice(data, "classification", CLASSIFICATIONS),  # type: ignore[arg-type]
+            classification=_req_classification(data),
             suspects=tuple(Suspect.from_dict(s) for s in _obj_list(data, "suspects")),
             candidates=tuple(Suspect.from_dict(s) for s in _obj_list(data, "candidates")),
             evidence=_req_mapping(data, "evidence", default={}),
@@ -160,11 +178,97 @@ class Incident:
 
     @classmethod
     def from_json(cls, text: str | bytes) -> Incident:
+        """Parse and validate one incident, raising only IncidentFormatError for bad input.
+
+        NaN and Infinity (non-standard JSON a writer may emit for a diverged loss) are kept
+        as the strings ``"NaN"``, ``"Infinity"``, ``"-Infinity"`` so every output stays strict JSON.
+        """
         try:
-            data = json.loads(text)
+            data = json.loads(text, parse_constant=str)
+        except RecursionError as exc:
+            raise IncidentFormatError("incident is nested too deeply to parse") from exc
         except (ValueError, UnicodeDecodeError) as exc:
             raise IncidentFormatError(f"incident is not valid JSON: {exc}") from exc
-        return cls.from_dict(data)
+        _check_plain(data)
+        incident = cls.from_dict(data)
+        validate_incident(incident)
+        return incident
+
+
+def validate_incident(incident: Incident, *, now: _dt.datetime | None = None) -> None:
+    """Check ``incident`` against the ingest grammar (module constants above); raise
+    IncidentFormatError naming the first violation. What the controller acts on passed this."""
+    _match(INCIDENT_ID, incident.id, "id")
+    _match(JOB_ID, incident.job_id, "job_id")
+    for number, name in ((incident.step, "step"), (incident.world_size, "world_size"),
+                         (incident.last_verified_step, "last_verified_step")):
+        if number is not None and not 0 <= number <= MAX_STEP:
+            raise IncidentFormatError(f"field {name!r} is out of range")
+    if incident.world_size < 1:
+        raise IncidentFormatError("field 'world_size' must be at least 1")
+    for rank in incident.suspect_ranks + tuple(s.rank for s in incident.suspects + incident.candidates):
+        if rank >= incident.world_size:
+            raise IncidentFormatError(f"rank {rank} is not below world_size {incident.world_size}")
+    names = list(incident.suspect_nodes)
+    for s in incident.suspects + incident.candidates:
+        names.append(s.node.name)
+        for alias in (s.node.slurm_node, s.node.k8s_node):
+            if alias is not None:
+                _match(NODE_NAME, alias, "node alias")
+    for name in names:
+        _match(NODE_NAME, name, "node name")
+    if len(set(names)) > incident.world_size:
+        raise IncidentFormatError(f"{len(set(names))} nodes named but world_size is {incident.world_size}")
+    for check in incident.checks_failed:
+        if check not in CHECKS:
+            raise IncidentFormatError(f"field 'checks_failed' holds unknown check {check!r}")
+    ckpt = incident.recommended_checkpoint
+    if ckpt is not None:
+        step, path = ckpt.get("step"), ckpt.get("path")
+        if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step <= MAX_STEP:
+            raise IncidentFormatError("recommended_checkpoint 'step' must be a non-negative integer")
+        if not isinstance(path, str):
+            raise IncidentFormatError("recommended_checkpoint 'path' must be a string")
+        _match(CHECKPOINT_PATH, path, "recommended_checkpoint path")
+    when = _dt.datetime.fromisoformat(incident.time)
+    if when.utcoffset() is None:
+        raise IncidentFormatError(f"field 'time' needs a UTC offset: {incident.time!r}")
+    reference = now or _dt.datetime.now(_dt.timezone.utc)
+    if when - reference > MAX_TIME_SKEW:
+        raise IncidentFormatError(f"field 'time' is too far in the future: {incident.time!r}")
+
+
+def _match(pattern: re.Pattern[str], value: str, what: str) -> None:
+    if not isinstance(value, str) or pattern.fullmatch(value) is None:
+        shown = value if not isinstance(value, str) else value[:80]
+        raise IncidentFormatError(f"{what} {shown!r} does not match the incident grammar ({pattern.pattern})")
+
+
+def _check_plain(data: Any) -> None:
+    # Iterative walk: bounded depth (asdict and json recurse) and strings SQLite can store.
+    stack: list[tuple[Any, int]] = [(data, 0)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, str):
+            _encodable(value)
+        elif isinstance(value, (dict, list)):
+            if depth >= MAX_EVIDENCE_DEPTH:
+                raise IncidentFormatError(f"incident is nested deeper than {MAX_EVIDENCE_DEPTH} levels")
+            if isinstance(value, dict):
+                for key, item in value.items():
+                    _encodable(key)
+                    stack.append((item, depth + 1))
+            else:
+                stack.extend((item, depth + 1) for item in value)
+        elif isinstance(value, int) and not isinstance(value, bool) and abs(value) > 2**63 - 1:
+            raise IncidentFormatError("an integer in the incident does not fit in 64 bits")
+
+
+def _encodable(text: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise IncidentFormatError("incident holds a string that is not valid Unicode (lone surrogate)") from exc
 
 
 def json_safe(value: Any) -> Any:
@@ -241,11 +345,26 @@ def _opt_int(data: Mapping[str, Any], key: str) -> int | None:
     return None if data.get(key) is None else _req_int(data, key)
 
 
-def _req_choice(data: Mapping[str, Any], key: str, choices: tuple[str, ...]) -> str:
-    value = data.get(key)
-    if value not in choices:
-        raise IncidentFormatError(f"field {key!r} must be one of {', '.join(choices)}; got {value!r}")
-    return str(value)
+def _req_check(data: Mapping[str, Any]) -> Check:
+    value = data.get("check")
+    for choice in CHECKS:
+        if value == choice:
+            return choice
+    raise IncidentFormatError(f"field 'check' must be one of {', '.join(CHECKS)}; got {_short(value)}")
+
+
+def _req_classification(data: Mapping[str, Any]) -> Classification:
+    value = data.get("classification")
+    for choice in CLASSIFICATIONS:
+        if value == choice:
+            return choice
+    raise IncidentFormatError(
+        f"field 'classification' must be one of {', '.join(CLASSIFICATIONS)}; got {_short(value)}")
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _req_mapping(data: Mapping[str, Any], key: str, default: dict[str, Any]) -> Mapping[str, Any]:

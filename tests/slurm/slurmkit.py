@@ -165,10 +165,11 @@ class SlurmCluster:
         return last
 
     def reset_nodes(self) -> None:
-        """Every node back to idle (after a test drained or failed some)."""
+        """Every node back to idle with no ``Extra`` marker (after a test drained or failed some)."""
         for name, (state, _) in self.node_states().items():
             if state != "idle":
                 self.scontrol("update", f"nodename={name}", "state=resume", check=False)
+            self.scontrol("update", f"nodename={name}", "extra=", check=False)
         self.wait_states({n: "idle" for n in self.nodes})
 
     def _wait(self, cond: Callable[[], bool], timeout: float, what: str) -> None:

@@ -71,10 +71,11 @@ class Manifest:
         if not isinstance(data, Mapping):
             raise ManifestError("a manifest must be a JSON object")
         if data.get("format") != FORMAT:
-            raise ManifestError(f"not a replicheck checkpoint manifest (format={data.get('format')!r})")
+            raise ManifestError(f"not a replicheck checkpoint manifest (format={repr(data.get('format'))[:80]})")
         if data.get("version") != FORMAT_VERSION:
             raise ManifestError(
-                f"unsupported manifest version {data.get('version')!r}; this build reads version {FORMAT_VERSION}"
+                f"unsupported manifest version {repr(data.get('version'))[:80]}; this build reads version "
+                f"{FORMAT_VERSION}"
             )
         return cls(
             step=_int(data, "step"),
@@ -95,6 +96,8 @@ class Manifest:
     def from_json(cls, text: str | bytes) -> Manifest:
         try:
             data = json.loads(text)
+        except RecursionError as exc:
+            raise ManifestError("manifest is nested too deeply to parse") from exc
         except (ValueError, UnicodeDecodeError) as exc:
             raise ManifestError(f"manifest is not valid JSON: {exc}") from exc
         return cls.from_dict(data)
@@ -115,6 +118,9 @@ def _str(data: Mapping[str, Any], key: str) -> str:
     value = data.get(key)
     if not isinstance(value, str) or not value:
         raise ManifestError(f"manifest field {key!r} must be a non-empty string")
+    if not value.isprintable():
+        # A NUL would otherwise surface later as a raw ValueError from the file system calls.
+        raise ManifestError(f"manifest field {key!r} holds a control character (NUL, newline, ...)")
     return value
 
 

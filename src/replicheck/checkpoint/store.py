@@ -49,7 +49,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("replicheck.checkpoint")
 
 SUPERSEDED = "superseded"
-_NAME = re.compile(r"^step-(\d{9,})$")
+_NAME = re.compile(r"^step-([0-9]{9,})$")  # ASCII digits only (\d matches other scripts' digits)
 _PAYLOAD_FORMAT = "replicheck.checkpoint.payload"
 
 IncidentLike = Incident | Mapping[str, Any] | str | bytes | os.PathLike[str]
@@ -493,7 +493,14 @@ class CheckpointStore:
             chosen = dataclasses.replace(cand, manifest=manifest)
             self.loaded = Loaded(checkpoint=chosen, extra=payload.get("extra"), refused=tuple(refused))
             if retire_newer and _Collective(None).rank == self.writer_rank:
-                self.retire_after(chosen.step)
+                try:
+                    self.retire_after(chosen.step)
+                except OSError as exc:
+                    # Only the writer rank retires: raising here would end that rank alone while
+                    # the others go on (a hang). The restore itself succeeded on every rank.
+                    log.warning("could not move newer checkpoints to %s/: %s", SUPERSEDED, exc)
+                    warnings.warn(f"could not move newer checkpoints to {SUPERSEDED}/: {exc}",
+                                  CheckpointWarning, stacklevel=2)
             return chosen.step
         raise NoValidCheckpoint(
             f"no valid checkpoint at or before step {ckpt.step} in {self.directory}", refused)

@@ -20,6 +20,7 @@ _COMMANDS = (
     "controller",
     "incidents",
     "nodes",
+    "audit",
 )
 
 
@@ -47,5 +48,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if func is None:
         parser.print_help(sys.stderr)
         return 2
-    result = func(args)
-    return int(result or 0)
+    from replicheck.cli._support import run_guarded
+
+    return run_guarded(func, args)

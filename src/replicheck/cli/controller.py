@@ -13,7 +13,7 @@ def register(subparsers: Any) -> None:
     parser = subparsers.add_parser("controller", help="run the recovery controller")
     sub = parser.add_subparsers(dest="controller_command", metavar="ACTION", required=True)
     run = sub.add_parser("run", help="ingest incidents and drive them through the recovery procedure")
-    from replicheck.controller.clisupport import add_db_argument
+    from replicheck.cli._support import add_db_argument
 
     add_db_argument(run)
     run.add_argument("--config", metavar="FILE", help="TOML file with [controller] and [slurm] tables")
@@ -34,14 +34,8 @@ def register(subparsers: Any) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from replicheck.controller.clisupport import guarded
-
-    return guarded(_run_inner)(args)
-
-
-def _run_inner(args: argparse.Namespace) -> int:
+    from replicheck.cli._support import db_path, esc, ingest_files
     from replicheck.controller import Controller
-    from replicheck.controller.clisupport import db_path, ingest_files
     from replicheck.controller.wiring import (
         load_settings,
         make_backend,
@@ -60,7 +54,7 @@ def _run_inner(args: argparse.Namespace) -> int:
     backend = make_backend(settings, db)
 
     def show(t: Any) -> None:
-        print(f"{t.at} {t.incident_id}: {t.from_state.value} -> {t.to_state.value} ({t.reason})", flush=True)
+        print(esc(f"{t.at} {t.incident_id}: {t.from_state.value} -> {t.to_state.value} ({t.reason})"), flush=True)
 
     with Controller(db, backend=backend, config=config, on_transition=show) as ctl:
         with ctl.store.transaction():

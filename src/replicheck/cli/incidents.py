@@ -9,57 +9,50 @@ from typing import Any
 
 
 def register(subparsers: Any) -> None:
-    from replicheck.controller.clisupport import add_db_argument
+    from replicheck.cli._support import add_db_argument
 
     parser = subparsers.add_parser("incidents", help="list, inspect, approve or dismiss incidents")
     sub = parser.add_subparsers(dest="incidents_command", metavar="ACTION", required=True)
     p = sub.add_parser("list", help="all incidents and their states")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--rejected", action="store_true", help="list rejected inputs instead")
-    p.set_defaults(func=_guard(_list))
+    p.set_defaults(func=_list)
     p = sub.add_parser("show", help="one incident with its actions and audit log")
     p.add_argument("id")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.set_defaults(func=_guard(_show))
+    p.set_defaults(func=_show)
     for name, verb in (("approve", "approve the replacement of"), ("dismiss", "dismiss (undo the cordon of)")):
         p = sub.add_parser(name, help=f"{verb} an incident's suspect nodes")
         p.add_argument("id")
-        p.add_argument("--by", required=True, metavar="NAME", help="who decides (recorded in the audit log)")
-        p.set_defaults(func=_guard(_approve if name == "approve" else _dismiss))
+        p.add_argument("--by", required=True, metavar="NAME",
+                       help="who decides (recorded in the audit log with the OS account running this)")
+        p.set_defaults(func=_approve if name == "approve" else _dismiss)
     p = sub.add_parser("ingest", help="store incident files (the running controller acts on them)")
     p.add_argument("files", nargs="+", metavar="FILE")
-    p.set_defaults(func=_guard(_ingest))
+    p.set_defaults(func=_ingest)
     for p in sub.choices.values():
         add_db_argument(p)
 
 
-def _guard(func: Any) -> Any:
-    def call(args: argparse.Namespace) -> int:
-        from replicheck.controller.clisupport import guarded
-
-        return guarded(func)(args)
-
-    return call
-
-
 def _controller(args: argparse.Namespace) -> Any:
+    from replicheck.cli._support import db_path
     from replicheck.controller import Controller
-    from replicheck.controller.clisupport import db_path
 
     return Controller(db_path(args))
 
 
 def _list(args: argparse.Namespace) -> int:
-    from replicheck.controller.clisupport import print_json, record_line
+    from replicheck.cli._render import record_line
+    from replicheck.cli._support import esc, excerpt, print_json
 
     with _controller(args) as ctl:
         if args.rejected:
             rows = ctl.store.rejected_rows()
             if args.json:
-                print_json([{"source": s, "reason": r, "at": at, "content": c.decode("utf-8", "replace")}
+                print_json([{"source": s, "reason": r, "at": at, "bytes": len(c), "excerpt": excerpt(c)}
                             for s, r, c, at in rows])
             for source, reason, _, at in [] if args.json else rows:
-                print(f"{at} {source}: {reason}")
+                print(f"{esc(at)} {esc(source)}: {esc(reason)}")
             return 0
         records = ctl.records()
         if args.json:
@@ -74,7 +67,8 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _show(args: argparse.Namespace) -> int:
-    from replicheck.controller.clisupport import print_json, record_detail
+    from replicheck.cli._render import record_detail
+    from replicheck.cli._support import esc, print_json
 
     with _controller(args) as ctl:
         view = ctl.show(args.id)
@@ -86,36 +80,40 @@ def _show(args: argparse.Namespace) -> int:
                         "audit": [dataclasses.asdict(a) for a in view.audit]})
             return 0
         inc = view.incident.incident
-        print(f"incident {inc.id}  (step {inc.step}, check {inc.check}, {inc.time}, "
-              f"{view.incident.deliveries} deliveries)")
+        print(esc(f"incident {inc.id}  (step {inc.step}, check {inc.check}, {inc.time}, "
+                  f"{view.incident.deliveries} deliveries)"))
         for line in record_detail(view.record):
             print("  " + line)
         print("  actions:")
         for a in view.actions:
             note = f" - {a.last_error}" if a.last_error and a.status != "done" else ""
-            print(f"    {a.kind.value:<12} {a.node or '-':<12} {a.status:<10} attempts={a.attempts}{note}")
+            print("    " + esc(f"{a.kind.value:<12} {a.node or '-':<12} {a.status:<10} attempts={a.attempts}{note}"))
         print("  audit:")
         for e in view.audit:
-            print(f"    {e.at} {e.actor}: {e.what} -> {e.outcome}")
+            print("    " + esc(f"{e.at} {e.actor}: {e.what} -> {e.outcome}"))
     return 0
 
 
 def _approve(args: argparse.Namespace) -> int:
+    from replicheck.cli._support import esc
+
     with _controller(args) as ctl:
         record = ctl.approve(args.id, by=args.by)
-    print(f"{record.incident_id}: {record.state.value} ({record.reason})")
+    print(esc(f"{record.incident_id}: {record.state.value} ({record.reason})"))
     return 0
 
 
 def _dismiss(args: argparse.Namespace) -> int:
+    from replicheck.cli._support import esc
+
     with _controller(args) as ctl:
         record = ctl.dismiss(args.id, by=args.by)
-    print(f"{record.incident_id}: {record.state.value} ({record.reason})")
+    print(esc(f"{record.incident_id}: {record.state.value} ({record.reason})"))
     return 0
 
 
 def _ingest(args: argparse.Namespace) -> int:
-    from replicheck.controller.clisupport import ingest_files
+    from replicheck.cli._support import ingest_files
 
     with _controller(args) as ctl:
         return ingest_files(ctl, args.files)

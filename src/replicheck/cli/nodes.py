@@ -9,7 +9,7 @@ from typing import Any
 
 
 def register(subparsers: Any) -> None:
-    from replicheck.controller.clisupport import add_db_argument
+    from replicheck.cli._support import add_db_argument
 
     parser = subparsers.add_parser("nodes", help="list the nodes of the controller's cluster backend")
     add_db_argument(parser)
@@ -21,13 +21,8 @@ def register(subparsers: Any) -> None:
 
 
 def _nodes(args: argparse.Namespace) -> int:
-    from replicheck.controller.clisupport import guarded
-
-    return guarded(_nodes_inner)(args)
-
-
-def _nodes_inner(args: argparse.Namespace) -> int:
-    from replicheck.controller.clisupport import db_path, node_line, print_json
+    from replicheck.cli._render import node_line
+    from replicheck.cli._support import db_path, print_json
     from replicheck.controller.store import Store
     from replicheck.controller.wiring import Settings, make_backend, settings_from_json
 

@@ -25,7 +25,12 @@ class ControllerConfig:
     max_replacements: int = 1
     """At most this many node replacements within ``replacement_window_s`` (blast radius)."""
     replacement_window_s: float = 86400.0
-    """Length of the sliding window for ``max_replacements``, in seconds."""
+    """Length of the sliding window for ``max_replacements`` and ``max_cordons``, in seconds."""
+    max_cordons: int = 8
+    """At most this many cordons within ``replacement_window_s``, over all incidents (blast
+    radius); further incidents wait, saying so."""
+    max_cordons_per_incident: int = 4
+    """An incident naming more nodes than this cordons none and fails, for a person to judge."""
     retry_max_attempts: int = 5
     """Attempts of one action on temporary backend errors before the incident is failed."""
     retry_base_delay_s: float = 2.0
@@ -46,8 +51,10 @@ class ControllerConfig:
     """Name recorded in the audit log for the controller's own actions."""
 
     def __post_init__(self) -> None:
-        if self.max_replacements < 0:
-            raise ConfigError("max_replacements must be >= 0")
+        for name in ("max_replacements", "max_cordons", "max_cordons_per_incident"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ConfigError(f"{name} must be an integer >= 0, got {value!r}")
         if self.retry_max_attempts < 1:
             raise ConfigError("retry_max_attempts must be >= 1")
         for name in ("replacement_window_s", "retry_base_delay_s", "retry_max_delay_s",
@@ -57,6 +64,8 @@ class ControllerConfig:
                 raise ConfigError(f"{name} must be a non-negative number, got {value!r}")
         if not self.drain_reason.strip():
             raise ConfigError("drain_reason must not be empty")
+        if not self.drain_reason.isprintable():
+            raise ConfigError("drain_reason must be printable text (no newline or control character)")
         if not isinstance(self.incident_dirs, tuple):
             raise ConfigError("incident_dirs must be a tuple of paths")
 

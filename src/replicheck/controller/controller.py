@@ -3,22 +3,27 @@ machine (machine.py) to the store and the executor; it decides nothing itself.""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
+import os
+import pwd
+import re
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
-from replicheck.timefmt import utc_iso_us
 from replicheck.controller import ingest as _ingest
 from replicheck.controller.backends.base import Backend, NodeInfo
 from replicheck.controller.config import ControllerConfig
 from replicheck.controller.errors import ConfigError
-from replicheck.controller.executor import Deferred, Executor
+from replicheck.controller.executor import Deferred, Executor, Skipped
+from replicheck.controller.lease import Lease
 from replicheck.controller.machine import initial_record, transition
 from replicheck.controller.model import (
     TERMINAL,
     ActionDone,
+    ActionKind,
     Approved,
     Dismissed,
     Event,
@@ -26,12 +31,20 @@ from replicheck.controller.model import (
     State,
     Tick,
     Transition,
+    action_key,
 )
 from replicheck.controller.store import ActionRow, AuditRow, IncidentRow, Store
-from replicheck.incident import Incident
+from replicheck.incident import Incident, IncidentFormatError, validate_incident
+from replicheck.timefmt import utc_iso_us
 
 MAX_ROUNDS = 50
 """Bound on tick/execute rounds in one pass (each round advances at least one record)."""
+
+PERSON_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9 ._@+-]{0,63}")
+"""What ``--by`` accepts: a plain ASCII name (account, e-mail, or words separated by spaces);
+no newline, tab, control or non-ASCII character that could forge or hide a line."""
+RESERVED_NAMES = frozenset({"auto-approve", "controller", "replicheck", "system"})
+"""Approver names the controller uses itself (with its configured ``actor``): refused for people."""
 
 
 @dataclass(frozen=True)
@@ -76,6 +89,7 @@ class Controller:
         self._backend = backend
         self._on_transition = on_transition
         self._clock = clock or (lambda: _dt.datetime.now(_dt.timezone.utc))
+        self.lease = Lease(self.db_path)
 
     @property
     def backend(self) -> Backend:
@@ -86,6 +100,7 @@ class Controller:
         return self._backend
 
     def close(self) -> None:
+        self.lease.release()
         self.store.close()
 
     def __enter__(self) -> Controller:
@@ -97,7 +112,17 @@ class Controller:
     # --- ingestion --------------------------------------------------------------------------
 
     def ingest(self, incident: Incident, source: str = "api") -> IngestResult:
-        """Store an incident (or merge a duplicate); the next reconcile pass acts on it."""
+        """Store an incident (or merge a duplicate); the next reconcile pass acts on it. One
+        that breaks the ingest grammar is rejected (kept with the reason), never acted on."""
+        source = _storable(source)
+        try:
+            validate_incident(incident)
+        except IncidentFormatError as exc:
+            try:
+                content = incident.to_json().encode("utf-8", "backslashreplace")
+            except (ValueError, TypeError, RecursionError):
+                content = b""
+            return self._ingest_parsed(_ingest.Parsed(source, content, error=str(exc)))
         now = self._now()
         with self.store.transaction():
             new, merge = self.store.add_incident(incident, source, now)
@@ -106,8 +131,8 @@ class Controller:
                 self.store.audit(now, self.config.actor, "ingested", f"from {source}", incident.id)
             elif merge == "filled":
                 record = self.store.get_record(incident.id)
-                if record.resume is None and not any(k.endswith(":resume:" + record.job_id)
-                                                     for k in record.outstanding):
+                resuming = action_key(record.incident_id, ActionKind.RESUME, record.job_id)
+                if record.resume is None and resuming not in record.outstanding:
                     checkpoint = dict(incident.recommended_checkpoint or {})
                     self.store.save_record(record.evolve(checkpoint=checkpoint), now)
                     self.store.audit(now, self.config.actor, "checkpoint added",
@@ -123,31 +148,48 @@ class Controller:
         return self._ingest_parsed(_ingest.parse_file(path))
 
     def ingest_dir(self, directory: str | Path) -> list[IngestResult]:
-        """Ingest the new or changed ``*.json`` files of ``directory``."""
+        """Ingest the new or changed ``*.json`` files of ``directory``. Every file is either
+        ingested or rejected with a reason; an unreadable one is retried on every pass."""
         results = []
         for cand in _ingest.scan(directory):
-            key = str(cand.path.resolve())
+            key = _ingest.display_path(os.path.abspath(cand.path))
             if self.store.file_seen(key, cand.mtime_ns, cand.size):
                 continue
-            results.append(self.ingest_file(cand.path))
-            with self.store.transaction():
-                self.store.mark_file_seen(key, cand.mtime_ns, cand.size)
+            if cand.symlink:
+                parsed = _ingest.Parsed(key, b"", error="symbolic link: not followed")
+            else:
+                parsed = _ingest.parse_file(cand.path)
+            result = self._ingest_parsed(parsed)
+            results.append(result)
+            if not parsed.retry:
+                with self.store.transaction():
+                    self.store.mark_file_seen(key, cand.mtime_ns, cand.size)
         return results
 
     def _ingest_parsed(self, parsed: _ingest.Parsed) -> IngestResult:
+        parsed = dataclasses.replace(parsed, source=_storable(parsed.source))
         if parsed.incident is not None:
-            return self.ingest(parsed.incident, parsed.source)
+            result = self.ingest(parsed.incident, parsed.source)
+            if result.incident_id is not None:
+                with self.store.transaction():
+                    self.store.clear_unreadable(parsed.source)
+            return result
         now = self._now()
+        error = parsed.error or "invalid"
         with self.store.transaction():
-            if self.store.reject(parsed.source, parsed.error or "invalid", parsed.content, now):
-                self.store.audit(now, self.config.actor, "rejected input", f"{parsed.source}: {parsed.error}")
-        return IngestResult(parsed.source, None, rejected=parsed.error)
+            if self.store.reject(parsed.source, error, parsed.content, now):
+                self.store.audit(now, self.config.actor, "rejected input", f"{parsed.source}: {error}")
+        return IngestResult(parsed.source, None, rejected=error)
 
     # --- reconciling ------------------------------------------------------------------------
 
     def reconcile(self) -> list[Transition]:
         """One pass: read watched directories, advance every open incident as far as it goes
-        without waiting, perform due actions. Returns the state changes made."""
+        without waiting, perform due actions. Returns the state changes made.
+
+        Takes the database's lease first (held until :meth:`close`): while another controller
+        holds it this raises LeaseHeldError and does nothing."""
+        self.lease.acquire()
         for directory in self.config.incident_dirs:
             self.ingest_dir(directory)
         made: list[Transition] = []
@@ -186,12 +228,17 @@ class Controller:
             triage_persistent=self.config.triage_persistent,
             replacements_in_window=self.store.replacements_since(utc_iso_us(since)),
             max_replacements=self.config.max_replacements,
+            cordons_in_window=self.store.cordons_since(utc_iso_us(since)),
+            max_cordons=self.config.max_cordons,
+            max_cordons_per_incident=self.config.max_cordons_per_incident,
             return_deadline=utc_iso_us(now + _dt.timedelta(seconds=self.config.return_timeout_s)),
         )
 
     def _execute(self, row: ActionRow, made: list[Transition]) -> bool:
         outcome = Executor(self.store, self.backend, self.config, self._clock).perform(row)
         now = self._now()
+        if isinstance(outcome, Skipped):
+            return False
         if isinstance(outcome, Deferred):
             with self.store.transaction():
                 self.store.defer_action(row.key, outcome.note, outcome.next_at, uncount=outcome.uncount)
@@ -237,16 +284,27 @@ class Controller:
     # --- operator commands ------------------------------------------------------------------
 
     def approve(self, incident_id: str, by: str) -> Record:
-        """Record a person's approval of the replacement (who and when)."""
-        return self._operator(incident_id, Approved(by=_who(by), at=self._now()))
+        """Record a person's approval of the replacement: the name given, the operating-system
+        account that ran this process, and when."""
+        return self._operator(incident_id, Approved(by=self._who(by), at=self._now(), os_user=os_account()))
 
     def dismiss(self, incident_id: str, by: str) -> Record:
         """Record that a person judged the incident a false alarm; the cordon is undone."""
-        return self._operator(incident_id, Dismissed(by=_who(by), at=self._now()))
+        return self._operator(incident_id, Dismissed(by=self._who(by), at=self._now(), os_user=os_account()))
 
     def _operator(self, incident_id: str, event: Approved | Dismissed) -> Record:
         made: list[Transition] = []
         return self._apply(incident_id, event, event.by, made)
+
+    def _who(self, by: str) -> str:
+        if not isinstance(by, str) or not by.strip():
+            raise ConfigError("an approval or dismissal needs the name of the person (--by NAME)")
+        name = by.strip()
+        if PERSON_NAME.fullmatch(name) is None:
+            raise ConfigError(f"--by must be a plain name matching {PERSON_NAME.pattern}, got {name[:64]!r}")
+        if name.lower() in RESERVED_NAMES | {self.config.actor.lower()}:
+            raise ConfigError(f"--by {name!r} is a name the controller uses itself; give a person's name")
+        return name
 
     # --- queries ----------------------------------------------------------------------------
 
@@ -264,9 +322,18 @@ class Controller:
         return utc_iso_us(self._clock())
 
 
-def _who(by: str) -> str:
-    if not isinstance(by, str) or not by.strip():
-        raise ConfigError("an approval or dismissal needs the name of the person (--by NAME)")
-    return by.strip()
+def _storable(text: str) -> str:
+    # A caller-supplied source may hold lone surrogates, which SQLite cannot store.
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def os_account() -> str:
+    """``name uid N`` of the account running this process (from the uid, not the environment)."""
+    uid = os.getuid()
+    try:
+        name = pwd.getpwuid(uid).pw_name
+    except KeyError:
+        name = "?"
+    return f"{name} uid {uid}"
 
 

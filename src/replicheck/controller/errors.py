@@ -38,3 +38,7 @@ class PermanentBackendError(BackendError):
 
 class NotYet(Exception):
     """An awaited condition (a replaced node coming back) does not hold yet; poll again later."""
+
+
+class LeaseHeldError(ControllerError):
+    """Another controller holds this database's lease; this one refuses to act."""

@@ -12,7 +12,6 @@ import datetime as _dt
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from replicheck.timefmt import utc_iso_us
 from replicheck.controller.backends.base import Backend, ResumeRequest
 from replicheck.controller.config import ControllerConfig
 from replicheck.controller.errors import (
@@ -28,6 +27,7 @@ from replicheck.controller.model import (
 )
 from replicheck.controller.policy import cordon_refusal, retry_delay
 from replicheck.controller.store import ActionRow, Store
+from replicheck.timefmt import utc_iso_us
 
 DRY_RUN_NOTE = "dry-run: not performed (pass --apply or set apply = true)"
 
@@ -42,7 +42,16 @@ class Deferred:
     """Undo this attempt's count: polling is not a failure towards retry_max_attempts."""
 
 
-Outcome = ActionDone | ActionFailed | Deferred
+@dataclass(frozen=True)
+class Skipped:
+    """The action was cancelled or finished after it was listed; nothing was performed."""
+
+    status: str | None
+    """Its status when the executor re-checked it (None: it no longer exists)."""
+
+
+ExecResult = ActionDone | ActionFailed | Deferred | Skipped
+"""What performing one stored action came to."""
 
 
 class Executor:
@@ -55,12 +64,16 @@ class Executor:
         self._config = config
         self._clock = clock
 
-    def perform(self, row: ActionRow) -> Outcome:
+    def perform(self, row: ActionRow) -> ExecResult:
         now = self._clock()
         if row.kind in DESTRUCTIVE and not self._config.apply:
             return Deferred(DRY_RUN_NOTE, utc_iso_us(now + _seconds(self._config.poll_interval_s)), uncount=False)
         with self._store.transaction():
-            self._store.start_attempt(row.key, utc_iso_us(now))
+            # Re-checked in the transaction that starts it: an action cancelled earlier in this
+            # pass (its incident failed or was dismissed) must not run.
+            if not self._store.start_attempt(row.key, utc_iso_us(now)):
+                current = self._store.get_action(row.key)
+                return Skipped(None if current is None else current.status)
         attempts = row.attempts + 1
         try:
             result = self._call(row)
@@ -85,8 +98,9 @@ class Executor:
         b, node, key = self._backend, row.node, row.key
         if row.kind is ActionKind.RESUME:
             checkpoint = row.params.get("checkpoint")
+            in_doubt = row.started_at if row.status == "in_flight" else None
             request = ResumeRequest(row.incident_id, str(row.params["job_id"]), checkpoint,
-                                    tuple(row.params.get("exclude", ())))
+                                    tuple(row.params.get("exclude", ())), previous_attempt_at=in_doubt)
             return b.resume(request, key)
         if node is None:
             raise PermanentBackendError(f"action {key} names no node")

@@ -25,9 +25,9 @@ from replicheck.controller.model import (
     TriageResult,
     action_key,
 )
-from replicheck.incident import Incident
+from replicheck.incident import Classification, Incident
 
-NEEDS_TRIAGE = frozenset({"ambiguous", "transient"})
+NEEDS_TRIAGE: frozenset[Classification] = frozenset({"ambiguous", "transient"})
 
 
 def initial_record(incident: Incident) -> Record:
@@ -64,12 +64,6 @@ def transition(record: Record, event: Event) -> Step:
 def _action(record: Record, kind: ActionKind, node: str | None, **params: object) -> Action:
     target = node if node is not None else record.job_id
     return Action(action_key(record.incident_id, kind, target), record.incident_id, kind, node, params)
-
-
-def _kind_of(key: str) -> tuple[ActionKind, str]:
-    # Keys are "<incident>:<kind>:<target>"; incident ids may contain ':' so split from the right.
-    _, kind, target = key.rsplit(":", 2)
-    return ActionKind(kind), target
 
 
 def _record_outcome(record: Record, event: ActionDone) -> Record:
@@ -116,7 +110,7 @@ def _on_failure(record: Record, event: ActionFailed) -> Step:
 
 def _with_pending_cordons(record: Record, keys: tuple[str, ...]) -> tuple[str, ...]:
     # A cordon that was in flight may have happened; count it so a later dismissal undoes it.
-    pending = [t for k in keys for kind, t in [_kind_of(k)] if kind is ActionKind.CORDON]
+    pending = [n for n in record.targets if action_key(record.incident_id, ActionKind.CORDON, n) in keys]
     return tuple(dict.fromkeys(record.cordoned + tuple(pending)))
 
 
@@ -127,7 +121,7 @@ def _on_approved(record: Record, event: Approved) -> Step:
         )
     return Step(record.evolve(
         state=State.APPROVED, approved_by=event.by, approved_at=event.at,
-        reason=f"approved by {event.by}",
+        reason=f"approved by {event.by}{_account(event.os_user)}",
     ))
 
 
@@ -140,10 +134,14 @@ def _on_dismissed(record: Record, event: Dismissed) -> Step:
         record.evolve(
             state=State.DISMISSED, dismissed_by=event.by, dismissed_at=event.at, outstanding=(),
             cordoned=_with_pending_cordons(record, record.outstanding),
-            reason=f"dismissed by {event.by}",
+            reason=f"dismissed by {event.by}{_account(event.os_user)}",
         ),
         cancel=record.outstanding,
     )
+
+
+def _account(os_user: str) -> str:
+    return f" (os user {os_user})" if os_user else ""
 
 
 def _on_tick(record: Record, tick: Tick) -> Step:
@@ -153,6 +151,14 @@ def _on_tick(record: Record, tick: Tick) -> Step:
     if state is State.DETECTED:
         todo = [t for t in record.targets if t not in record.cordoned and t not in dict(record.cordon_skipped)]
         if todo:
+            if len(record.targets) > tick.max_cordons_per_incident:
+                return _move(record, State.FAILED,
+                             f"blast radius: the incident names {len(record.targets)} nodes, more than "
+                             f"max_cordons_per_incident={tick.max_cordons_per_incident}; nothing cordoned")
+            if tick.cordons_in_window + len(todo) > tick.max_cordons:
+                reason = (f"blast radius: {tick.cordons_in_window} cordon(s) in the window, {len(todo)} more "
+                          f"would exceed the limit of {tick.max_cordons}; waiting")
+                return Step(record if record.reason == reason else record.evolve(reason=reason))
             return _wait(record, tuple(_action(record, ActionKind.CORDON, n) for n in todo),
                          f"cordoning {', '.join(todo)}")
         return _move(record, State.CORDONED, _cordon_summary(record))

@@ -7,6 +7,8 @@ import json
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Mapping
 
+from replicheck.incident import Classification
+
 
 class State(str, enum.Enum):
     """Where an incident is in the recovery procedure."""
@@ -54,7 +56,7 @@ class Action:
     """One keyed side effect. The key is deterministic, so emitting it twice is harmless."""
 
     key: str
-    """Idempotency key: ``<incident>:<kind>:<node or job>``."""
+    """Idempotency key, made only by :func:`action_key` and never parsed back."""
     incident_id: str
     """The incident this action serves."""
     kind: ActionKind
@@ -66,6 +68,9 @@ class Action:
 
 
 def action_key(incident_id: str, kind: ActionKind, target: str) -> str:
+    """The one place keys are made: ``<incident>:<kind>:<node or job>``. Code that needs an
+    action's kind or node reads them from the action, or builds the key it looks for here;
+    the grammar keeps ``:`` out of node names and job ids, so distinct actions get distinct keys."""
     return f"{incident_id}:{kind.value}:{target}"
 
 
@@ -84,7 +89,7 @@ class Record:
 
     incident_id: str
     job_id: str
-    classification: str
+    classification: Classification
     state: State = State.DETECTED
     targets: tuple[str, ...] = ()
     """Nodes the procedure acts on (suspects, or candidates while ambiguous)."""
@@ -155,6 +160,8 @@ class Approved:
 
     by: str
     at: str
+    os_user: str = ""
+    """The operating-system account (``name uid N``) that ran the command, when known."""
 
 
 @dataclass(frozen=True)
@@ -163,6 +170,8 @@ class Dismissed:
 
     by: str
     at: str
+    os_user: str = ""
+    """The operating-system account (``name uid N``) that ran the command, when known."""
 
 
 @dataclass(frozen=True)
@@ -175,6 +184,11 @@ class Tick:
     triage_persistent: bool = False
     replacements_in_window: int = 0
     max_replacements: int = 1
+    cordons_in_window: int = 0
+    max_cordons: int = 2**31
+    """At most this many cordons within the window, over all incidents (blast radius)."""
+    max_cordons_per_incident: int = 2**31
+    """An incident naming more nodes than this is not acted on (it fails, for a person)."""
     return_deadline: str = ""
     """ISO time until which a replaced node is awaited (now + return timeout)."""
 

@@ -10,13 +10,15 @@ import json
 import sqlite3
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Literal, Mapping, Sequence, cast
 
 from replicheck.controller.errors import StoreError, UnknownIncidentError
 from replicheck.controller.model import Action, ActionKind, Record, State
 from replicheck.incident import Incident, IncidentFormatError
 
-MIGRATIONS: tuple[str, ...] = (
+Migration = str | Callable[[sqlite3.Connection], None]
+
+MIGRATIONS: tuple[Migration, ...] = (
     # 1: the core tables.
     """
     CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -49,10 +51,17 @@ MIGRATIONS: tuple[str, ...] = (
         path TEXT PRIMARY KEY, mtime_ns INTEGER NOT NULL, size INTEGER NOT NULL);
     CREATE INDEX actions_due ON actions(status, next_attempt_at);
     """,
+    # 3: the audit log becomes a hash chain (rows written before are chained in id order).
+    lambda db: _chain_audit(db),
 )
 SCHEMA_VERSION = len(MIGRATIONS)
+GENESIS = "0" * 64
+"""The ``prev`` hash of the first audit row."""
 
 ACTIVE = ("pending", "in_flight")
+
+ActionStatus = Literal["pending", "in_flight", "done", "failed", "cancelled"]
+"""pending, in_flight (started, result not recorded), done, failed, cancelled."""
 
 
 @dataclass(frozen=True)
@@ -64,12 +73,14 @@ class ActionRow:
     kind: ActionKind
     node: str | None
     params: Mapping[str, Any]
-    status: str
+    status: ActionStatus
     """pending, in_flight (started, result not recorded), done, failed, cancelled."""
     attempts: int
     next_attempt_at: str
     last_error: str | None
     result: Mapping[str, Any] | None
+    started_at: str | None = None
+    """When the latest attempt started (with status in_flight: an attempt whose outcome is unknown)."""
 
 
 @dataclass(frozen=True)
@@ -82,6 +93,22 @@ class AuditRow:
     incident_id: str | None
     what: str
     outcome: str
+
+
+@dataclass(frozen=True)
+class AuditCheck:
+    """The result of verifying the audit hash chain."""
+
+    rows: int
+    """Rows checked."""
+    head: str
+    """Hash of the last row (record it elsewhere to detect a rewrite of the whole chain)."""
+    problems: tuple[str, ...]
+    """Each break found (empty: the chain is intact)."""
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
 
 
 @dataclass(frozen=True)
@@ -130,8 +157,14 @@ class Store:
                 )
             for number in range(version, SCHEMA_VERSION):
                 with self.transaction():
-                    for statement in _statements(MIGRATIONS[number]):
-                        self._db.execute(statement)
+                    if self.schema_version() != number:
+                        continue  # another process migrated while this one waited
+                    migration = MIGRATIONS[number]
+                    if callable(migration):
+                        migration(self._db)
+                    else:
+                        for statement in _statements(migration):
+                            self._db.execute(statement)
                     self._db.execute(f"PRAGMA user_version={number + 1}")
         except sqlite3.DatabaseError as exc:
             raise StoreError(f"{self.path}: not a usable controller database: {exc}") from exc
@@ -260,10 +293,14 @@ class Store:
         row = self._db.execute(f"SELECT {_ACTION_COLS} FROM actions WHERE key=?", (key,)).fetchone()
         return None if row is None else _action_row(row)
 
-    def start_attempt(self, key: str, now: str) -> None:
-        """Mark the action in flight before calling the backend (so a crash leaves it in doubt)."""
-        self._db.execute("UPDATE actions SET status='in_flight', attempts=attempts+1, started_at=? "
-                         "WHERE key=?", (now, key))
+    def start_attempt(self, key: str, now: str) -> bool:
+        """Mark the action in flight before calling the backend (so a crash leaves it in doubt).
+
+        False when the action is no longer pending or in flight (cancelled or finished since it
+        was listed): the caller must not perform it."""
+        cur = self._db.execute("UPDATE actions SET status='in_flight', attempts=attempts+1, started_at=? "
+                               "WHERE key=? AND status IN ('pending', 'in_flight')", (now, key))
+        return cur.rowcount == 1
 
     def finish_action(self, key: str, result: Mapping[str, Any], now: str) -> None:
         self._db.execute("UPDATE actions SET status='done', result=?, last_error=NULL, finished_at=? "
@@ -287,6 +324,14 @@ class Store:
             "OR (status='done' AND finished_at >= ?))", (since,)).fetchone()
         return int(row[0])
 
+    def cordons_since(self, since: str) -> int:
+        """Cordons done since ``since`` plus those committed to but not finished."""
+        row = self._db.execute(
+            "SELECT COUNT(*) FROM actions WHERE kind='cordon' AND (status IN ('pending', 'in_flight') "
+            "OR (status='done' AND finished_at >= ? AND result NOT LIKE '%\"skipped\"%'))",
+            (since,)).fetchone()
+        return int(row[0])
+
     def nodes_held(self, exclude_incident: str) -> set[str]:
         """Nodes still cordoned by other incidents that are not finished."""
         held: set[str] = set()
@@ -298,8 +343,13 @@ class Store:
     # --- audit, rejections, seen files ------------------------------------------------------
 
     def audit(self, at: str, actor: str, what: str, outcome: str, incident_id: str | None = None) -> None:
-        self._db.execute("INSERT INTO audit(at, actor, incident_id, what, outcome) VALUES(?, ?, ?, ?, ?)",
-                         (at, actor, incident_id, what, outcome))
+        """Append one row to the hash-chained audit log (and move the recorded head)."""
+        with self.transaction():
+            _append_audit(self._db, at, actor, incident_id, what, outcome)
+
+    def verify_audit(self) -> AuditCheck:
+        """Recompute the audit hash chain; every edited, removed or inserted row is reported."""
+        return _verify_chain(self._db)
 
     def audit_rows(self, incident_id: str | None = None) -> list[AuditRow]:
         sql = "SELECT id, at, actor, incident_id, what, outcome FROM audit"
@@ -315,6 +365,10 @@ class Store:
                                "VALUES(?, ?, ?, ?, ?)", (source, digest, reason, content, now))
         return cur.rowcount == 1
 
+    def clear_unreadable(self, source: str) -> None:
+        """Forget the "cannot read" reports of ``source`` once it has been read."""
+        self._db.execute("DELETE FROM rejected WHERE source=? AND reason LIKE 'cannot read:%'", (source,))
+
     def rejected_rows(self) -> list[tuple[str, str, bytes, str]]:
         """(source, reason, content, at) of every rejected input."""
         return [(r[0], r[1], bytes(r[2]), r[3]) for r in
@@ -329,14 +383,15 @@ class Store:
                          "DO UPDATE SET mtime_ns=excluded.mtime_ns, size=excluded.size", (path, mtime_ns, size))
 
 
-_ACTION_COLS = "key, incident_id, kind, node, params, status, attempts, next_attempt_at, last_error, result"
+_ACTION_COLS = ("key, incident_id, kind, node, params, status, attempts, next_attempt_at, last_error, result, "
+                "started_at")
 
 
 def _action_row(r: Sequence[Any]) -> ActionRow:
     return ActionRow(
         key=r[0], incident_id=r[1], kind=ActionKind(r[2]), node=r[3], params=json.loads(r[4]),
-        status=r[5], attempts=int(r[6]), next_attempt_at=r[7], last_error=r[8],
-        result=None if r[9] is None else json.loads(r[9]),
+        status=cast(ActionStatus, r[5]), attempts=int(r[6]), next_attempt_at=r[7], last_error=r[8],
+        result=None if r[9] is None else json.loads(r[9]), started_at=r[10],
     )
 
 
@@ -357,3 +412,60 @@ def _comparable(body: str) -> dict[str, Any]:
     data: dict[str, Any] = json.loads(body)
     data.pop("time", None)
     return data
+
+
+def _row_hash(prev: str, row: Sequence[Any]) -> str:
+    body = json.dumps([prev, *row], ensure_ascii=True, separators=(",", ":"))
+    return hashlib.sha256(body.encode("ascii")).hexdigest()
+
+
+def _append_audit(db: sqlite3.Connection, at: str, actor: str, incident_id: str | None, what: str,
+                  outcome: str) -> None:
+    last = db.execute("SELECT id, hash FROM audit ORDER BY id DESC LIMIT 1").fetchone()
+    number, prev = (1, GENESIS) if last is None else (int(last[0]) + 1, str(last[1]))
+    digest = _row_hash(prev, (number, at, actor, incident_id, what, outcome))
+    db.execute("INSERT INTO audit(id, at, actor, incident_id, what, outcome, prev, hash) "
+               "VALUES(?, ?, ?, ?, ?, ?, ?, ?)", (number, at, actor, incident_id, what, outcome, prev, digest))
+    db.execute("INSERT INTO meta(key, value) VALUES('audit_head', ?) ON CONFLICT(key) DO UPDATE "
+               "SET value=excluded.value", (f"{number}:{digest}",))
+
+
+def _verify_chain(db: sqlite3.Connection) -> AuditCheck:
+    problems: list[str] = []
+    prev, count, last_id = GENESIS, 0, 0
+    for row in db.execute("SELECT id, at, actor, incident_id, what, outcome, prev, hash FROM audit ORDER BY id"):
+        number = int(row[0])
+        count += 1
+        if number != last_id + 1:
+            problems.append(f"rows {last_id + 1}..{number - 1} are missing")
+        if row[6] != prev:
+            problems.append(f"row {number}: does not follow row {last_id} (chain broken)")
+        if _row_hash(str(row[6]), row[:6]) != row[7]:
+            problems.append(f"row {number}: content does not match its hash (edited)")
+        prev, last_id = str(row[7]), number
+    head = db.execute("SELECT value FROM meta WHERE key='audit_head'").fetchone()
+    recorded = None if head is None else str(head[0])
+    if count and recorded != f"{last_id}:{prev}":
+        problems.append(f"the last row is {last_id} but the recorded head is {recorded} (rows removed or added)")
+    if not count and recorded is not None:
+        problems.append(f"the audit log is empty but its recorded head is {recorded} (rows removed)")
+    return AuditCheck(rows=count, head=prev, problems=tuple(problems))
+
+
+def _chain_audit(db: sqlite3.Connection) -> None:
+    db.execute("ALTER TABLE audit ADD COLUMN prev TEXT")
+    db.execute("ALTER TABLE audit ADD COLUMN hash TEXT")
+    db.execute("DROP TRIGGER audit_no_update")
+    rows = db.execute("SELECT id, at, actor, incident_id, what, outcome FROM audit ORDER BY id").fetchall()
+    prev, number = GENESIS, 0
+    for row in rows:
+        # Renumber densely so verification can tell a removed row from a gap left by AUTOINCREMENT.
+        number += 1
+        digest = _row_hash(prev, (number, *row[1:]))
+        db.execute("UPDATE audit SET id=?, prev=?, hash=? WHERE id=?", (number, prev, digest, row[0]))
+        prev = digest
+    if rows:
+        db.execute("INSERT INTO meta(key, value) VALUES('audit_head', ?) ON CONFLICT(key) DO UPDATE "
+                   "SET value=excluded.value", (f"{number}:{prev}",))
+    db.execute("CREATE TRIGGER audit_no_update BEFORE UPDATE ON audit "
+               "BEGIN SELECT RAISE(ABORT, 'the audit log is append-only'); END")

@@ -44,6 +44,10 @@ class ResumeRequest:
     """``{"step": int, "path": str}`` or None (the job picks its newest checkpoint)."""
     exclude: tuple[str, ...]
     """Nodes the resumed job must not use (replaced nodes not back yet)."""
+    previous_attempt_at: str | None = None
+    """When an earlier attempt of this resume started whose outcome was never recorded (the
+    controller stopped during the call), ISO time; None when no attempt is in doubt. A backend
+    that cannot observe an old side effect uses it to decide whether repeating is safe."""
 
 
 class Backend(Protocol):

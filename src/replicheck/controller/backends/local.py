@@ -14,13 +14,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from replicheck.timefmt import utc_iso_us
 from replicheck.controller.backends.base import (
     NodeInfo,
     ResumeRequest,
     validate_node_name,
 )
 from replicheck.controller.errors import PermanentBackendError
+from replicheck.timefmt import utc_iso_us
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS sim_nodes (

@@ -4,8 +4,10 @@ crash is a no-op; node names are validated before they reach a command line."""
 
 from __future__ import annotations
 
+import datetime as _dt
 import json
 import os
+import re
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -16,8 +18,13 @@ from replicheck.controller.backends.base import (
 )
 from replicheck.controller.backends.commands import CommandRunner
 from replicheck.controller.errors import ConfigError, NotYet, PermanentBackendError
+from replicheck.incident import CHECKPOINT_PATH, INCIDENT_ID, JOB_ID
 
 _SEP = "|#|"
+_SLURM_JOB_ID = re.compile(r"[0-9]{1,20}")
+"""A numeric Slurm job id (ASCII digits only: ``str.isdigit`` accepts other scripts' digits)."""
+_STARTED, _DONE = "/started", "/done"
+"""Suffixes of the node ``Extra`` marker around a custom replace command."""
 _UNSCHEDULABLE = ("drain", "fail", "down", "maint", "reboot", "power", "future", "unknown")
 _FINISHED_JOB = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
                  "PREEMPTED", "BOOT_FAIL", "DEADLINE"}
@@ -36,7 +43,10 @@ class SlurmConfig:
     replace_reason: str = "Action:Replace"
     """Reason set with state=fail; HyperPod matches this string exactly."""
     replace_command: tuple[str, ...] = ()
-    """Run this instead of ``scontrol update ... state=fail`` to replace (``{node}`` substituted)."""
+    """Run this instead of ``scontrol update ... state=fail`` to replace (``{node}`` and
+    ``{marker}`` substituted). The node's ``Extra`` field records it as started, then done, so
+    a restarted controller never runs it twice (a run interrupted in between is reported, not
+    repeated)."""
     resume_mode: str = "requeue"
     """``requeue`` (scontrol requeuehold, exclude, release), ``resubmit`` (resubmit_command) or ``none``."""
     resubmit_command: tuple[str, ...] = ()
@@ -129,14 +139,43 @@ class SlurmBackend:
         return {"detail": f"resumed {node}"}
 
     def replace(self, node: str, key: str) -> Mapping[str, Any]:
+        # The node's Extra field carries this action's marker: it survives the node coming back
+        # idle, so a repeat after a crash sees the replacement happened and does not fail it again.
+        marker = _marker(key)
+        extra = self.node_extra(node)
+        if extra in (marker, marker + _DONE):
+            return {"detail": f"{node} already replaced by this action ({extra})"}
+        if self.config.replace_command:
+            if extra == marker + _STARTED:
+                raise PermanentBackendError(
+                    f"the replace command for {node} was started before the controller stopped and may "
+                    f"have run (Extra={extra}); not repeating it: check the node, then replace it by hand "
+                    "or dismiss the incident")
+            self._set_extra(node, marker + _STARTED)
+            argv = [a.replace("{node}", node).replace("{marker}", marker) for a in self.config.replace_command]
+            self._run.run(argv)
+            self._set_extra(node, marker + _DONE)
+            return {"detail": f"replace command run for {node}"}
         info = self.node(node)
         if "fail" in info.state and info.reason.startswith(self.config.replace_reason):
             return {"detail": f"{node} already {info.state} ({info.reason})"}
-        if self.config.replace_command:
-            self._run.run([a.replace("{node}", node) for a in self.config.replace_command])
-            return {"detail": f"replace command run for {node}"}
-        self._update_node(node, "fail", self.config.replace_reason)
+        self._update_node(node, "fail", self.config.replace_reason, extra=marker)
         return {"detail": f"{node} set to fail with reason {self.config.replace_reason}"}
+
+    def node_extra(self, node: str) -> str:
+        """The node's ``Extra`` field ("" when unset)."""
+        validate_node_name(node)
+        out = self._run.run([self._bin("sinfo"), "--noheader", "--Node", "--nodes", node, "--Format",
+                             f"NodeList:{_SEP},Extra:"]).stdout
+        for line in out.splitlines():
+            name, sep, extra = line.partition(_SEP)
+            if sep and name.strip() == node:
+                extra = extra.strip()
+                return "" if extra == "(null)" else extra
+        raise PermanentBackendError(f"Slurm knows no node {node!r}")
+
+    def _set_extra(self, node: str, value: str) -> None:
+        self._run.run([self._bin("scontrol"), "update", f"nodename={validate_node_name(node)}", f"extra={value}"])
 
     def await_return(self, node: str, key: str) -> Mapping[str, Any]:
         info = self.node(node)
@@ -145,10 +184,12 @@ class SlurmBackend:
             return {"back": True, "replacement": None, "detail": f"{node} is {info.state}"}
         raise NotYet(f"{node} is {info.state}")
 
-    def _update_node(self, node: str, state: str, reason: str | None) -> None:
+    def _update_node(self, node: str, state: str, reason: str | None, extra: str | None = None) -> None:
         argv = [self._bin("scontrol"), "update", f"nodename={validate_node_name(node)}", f"state={state}"]
         if reason is not None:
             argv.append(f"reason={reason}")
+        if extra is not None:
+            argv.append(f"extra={extra}")
         self._run.run(argv)
 
     # --- triage -----------------------------------------------------------------------------
@@ -181,6 +222,8 @@ class SlurmBackend:
             raise PermanentBackendError(
                 f"self-test on {node} gave no result (exit {out.returncode}): "
                 f"{(out.stderr or out.stdout).strip()[-300:] or 'no output'}") from exc
+        if not isinstance(data, dict):
+            raise PermanentBackendError(f"self-test on {node} printed JSON that is not an object")
         return data
 
     # --- resuming the job -------------------------------------------------------------------
@@ -195,17 +238,20 @@ class SlurmBackend:
         return self._requeue(request, key)
 
     def _job(self, job_id: str) -> dict[str, str]:
-        out = self._run.run([self._bin("scontrol"), "--oneliner", "show", "job", job_id]).stdout
-        fields: dict[str, str] = {}
-        for token in out.split():
-            name, sep, value = token.partition("=")
-            if sep and name not in fields:
-                fields[name] = value
-        return fields
+        # Fixed columns with the free-text comment last: a job name cannot inject a field.
+        out = self._run.run([self._bin("squeue"), "--noheader", f"--jobs={job_id}", "--states=all",
+                             "--format", _SEP.join(("%i", "%T", "%Q", "%r", "%k"))]).stdout
+        for line in out.splitlines():
+            parts = line.split(_SEP, 4)
+            if len(parts) == 5 and parts[0].strip() == job_id:
+                comment = parts[4].strip()
+                return {"JobState": parts[1].strip(), "Priority": parts[2].strip(), "Reason": parts[3].strip(),
+                        "Comment": "" if comment == "(null)" else comment}
+        raise PermanentBackendError(f"Slurm no longer lists job {job_id}; cannot requeue it")
 
     def _requeue(self, request: ResumeRequest, key: str) -> Mapping[str, Any]:
         job, marker = request.job_id, _marker(key)
-        if not job.isdigit():
+        if _SLURM_JOB_ID.fullmatch(job) is None:
             raise PermanentBackendError(f"job id {job!r} is not a Slurm job id; use resume_mode=resubmit")
         scontrol = self._bin("scontrol")
         info = self._job(job)
@@ -233,10 +279,10 @@ class SlurmBackend:
             job_id, _, comment = line.partition(_SEP)
             if comment.strip() == marker:
                 return {"detail": f"already resubmitted as job {job_id.strip()}", "job_id": job_id.strip()}
+        if request.previous_attempt_at is not None:
+            self._check_absence_conclusive(request.previous_attempt_at, marker)
         ckpt = request.checkpoint or {}
-        values = {"{job_id}": request.job_id, "{step}": str(ckpt.get("step", "")),
-                  "{checkpoint}": str(ckpt.get("path", "")), "{exclude}": ",".join(request.exclude),
-                  "{marker}": marker, "{incident}": request.incident_id}
+        values = _template_values(request, marker)
         argv = []
         for arg in self.config.resubmit_command:
             if "{exclude}" in arg and not request.exclude:
@@ -244,10 +290,45 @@ class SlurmBackend:
             for placeholder, value in values.items():
                 arg = arg.replace(placeholder, value)
             argv.append(arg)
+        if any("\x00" in a or "\n" in a for a in argv):
+            raise PermanentBackendError("resubmit_command expands to an argument with a NUL or newline")
         result = self._run.run(argv)
         new_id = result.stdout.strip().split(";")[0].split()[-1] if result.stdout.strip() else "?"
         return {"detail": f"resubmitted job {request.job_id} as {new_id} from step "
                           f"{ckpt.get('step')}", "job_id": new_id}
+
+
+    def _check_absence_conclusive(self, attempt_at: str, marker: str) -> None:
+        """An earlier resubmission may have run. Slurm lists a job until ``MinJobAge`` after it
+        ends, so if that attempt started less than ``MinJobAge`` ago, the marker's absence proves
+        nothing was submitted; otherwise the job may have come and gone: refuse to repeat it."""
+        out = self._run.run([self._bin("scontrol"), "show", "config"]).stdout
+        match = re.search(r"^MinJobAge\s*=\s*([0-9]+)", out, re.MULTILINE)
+        min_age = int(match.group(1)) if match else 0
+        started = _dt.datetime.fromisoformat(attempt_at)
+        age = (_dt.datetime.now(_dt.timezone.utc) - started).total_seconds()
+        if age >= min_age:
+            raise PermanentBackendError(
+                f"a resubmission started at {attempt_at} may have run (no job with comment {marker} is "
+                f"listed, but Slurm forgets finished jobs after MinJobAge={min_age}s); not repeating it: "
+                "check the job, then resubmit it by hand or dismiss the incident")
+
+
+def _template_values(request: ResumeRequest, marker: str) -> dict[str, str]:
+    """Placeholder values, each checked against its grammar before it can reach argv."""
+    ckpt = request.checkpoint or {}
+    step, path = ckpt.get("step", ""), ckpt.get("path", "")
+    checks = ((JOB_ID, request.job_id, "job id"), (INCIDENT_ID, request.incident_id, "incident id"))
+    for pattern, value, what in checks:
+        if not isinstance(value, str) or pattern.fullmatch(value) is None:
+            raise PermanentBackendError(f"refusing {what} {value!r} in resubmit_command")
+    if step != "" and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
+        raise PermanentBackendError(f"refusing checkpoint step {step!r} in resubmit_command")
+    if path != "" and (not isinstance(path, str) or CHECKPOINT_PATH.fullmatch(path) is None):
+        raise PermanentBackendError(f"refusing checkpoint path {path!r} in resubmit_command")
+    return {"{job_id}": request.job_id, "{step}": str(step), "{checkpoint}": str(path),
+            "{exclude}": ",".join(validate_node_name(n) for n in request.exclude),
+            "{marker}": marker, "{incident}": request.incident_id}
 
 
 def _marker(key: str) -> str:
