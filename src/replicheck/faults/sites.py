@@ -120,11 +120,16 @@ class Forward:
 
 
 @dataclass(frozen=True, kw_only=True)
-class WeightGradient:
-    """The gradient of one parameter, as its backward kernel produces it (forward untouched)."""
+class _ParamSite:
+    """A site on one named parameter of the bare model."""
 
     param: str
     """Parameter name in the bare model."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class WeightGradient(_ParamSite):
+    """The gradient of one parameter, as its backward kernel produces it (forward untouched)."""
 
     def install(self, targets: Targets, sink: Sink) -> list[Remover]:
         p = _param(targets.model, self.param)
@@ -141,11 +146,8 @@ class WeightGradient:
 
 
 @dataclass(frozen=True, kw_only=True)
-class OptimizerUpdate:
+class OptimizerUpdate(_ParamSite):
     """The update the optimizer applies to one parameter (the step's delta is corrupted)."""
-
-    param: str
-    """Parameter name in the bare model."""
 
     def install(self, targets: Targets, sink: Sink) -> list[Remover]:
         if targets.optimizer is None:
@@ -177,11 +179,8 @@ class OptimizerUpdate:
 
 
 @dataclass(frozen=True, kw_only=True)
-class WeightsAtRest:
+class WeightsAtRest(_ParamSite):
     """A parameter's stored values, corrupted between steps (before the step's first forward)."""
-
-    param: str
-    """Parameter name in the bare model."""
 
     def install(self, targets: Targets, sink: Sink) -> list[Remover]:
         p = _param(targets.model, self.param)
