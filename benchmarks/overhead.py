@@ -64,8 +64,10 @@ def _bench(ctx: RankContext, rounds: int, block: int, batch: int, mode: Mode, wa
         timed(True, batches[i % block])
     while guard.next_step % 10:  # start the timed rounds on a verification step
         timed(True, batches[0])
-    plain_t, guarded_t = [], []
-    verify_extra, ordinary_extra = [], []  # paired differences, guarded - plain, per step
+    plain_t: list[float] = []
+    guarded_t: list[float] = []
+    verify_extra: list[float] = []  # paired differences, guarded - plain, per step
+    ordinary_extra: list[float] = []
     for r in range(rounds):
         # Plain and guarded steps alternate one by one (order swapped every step), so anything
         # that slows the machine for a while slows both loops alike.

@@ -15,7 +15,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from replicheck.faults.errors import FaultConfigError
-from replicheck.guard.context import current_pass, current_step
+from replicheck.guard.context import PassName, current_pass, current_step
 
 Remover = Callable[[], None]
 
@@ -26,7 +26,7 @@ MATMUL_OPS: tuple[str, ...] = ("mm", "addmm", "bmm", "baddbmm")
 class Sink(Protocol):
     """What a site hands its tensors to (the injector)."""
 
-    def offer(self, tensor: torch.Tensor, name: str, *, step: int | None = None, pass_: str | None = None) -> None: ...
+    def offer(self, tensor: torch.Tensor, name: str, *, step: int | None = None, pass_: PassName | None = None) -> None: ...
 
 
 @dataclass
@@ -224,6 +224,6 @@ class ReducedGradient:
         return "reduced gradient" + ("" if self.bucket is None else f" bucket {self.bucket}")
 
 
-def context() -> tuple[int, str]:
+def context() -> tuple[int, PassName]:
     """The step and pass the guard is in now (``-1``/``idle`` outside a guarded step)."""
     return current_step(), current_pass()
