@@ -108,11 +108,7 @@ class Guard:
         self._ddp_model = model if isinstance(model, DistributedDataParallel) else None
         self._module: torch.nn.Module = self._ddp_model.module if self._ddp_model is not None else model
         self._comm = Comm(self._ddp_model.process_group if self._ddp_model is not None else None)
-        if self._comm.world_size > 1 and self._ddp_model is None:
-            raise GuardConfigError("with world size > 1 the model must be wrapped in DistributedDataParallel")
-        named = fp.named_weights(self._module, "trainable")
-        if not named:
-            raise GuardConfigError("the model has no trainable parameters")
+        named = self._checked_params()
         self._params = [p for _, p in named]
 
         identity, job_id = _identity(node, cfg.job_id)
@@ -134,6 +130,15 @@ class Guard:
             job_id=job_id, rank=self.rank, nodes=self._nodes, param_names=tuple(n for n, _ in named),
             ring=self._ring.order, mode=cfg.mode, incident_dir=cfg.incident_dir,
         )
+
+    def _checked_params(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """The trainable parameters the guard checks, after refusing a model it cannot guard."""
+        if self._comm.world_size > 1 and self._ddp_model is None:
+            raise GuardConfigError("with world size > 1 the model must be wrapped in DistributedDataParallel")
+        named = fp.named_weights(self._module, "trainable")
+        if not named:
+            raise GuardConfigError("the model has no trainable parameters")
+        return named
 
     def _install_comm_hook(self) -> bool:
         """Check gradients inside DDP's all-reduce when the hook slot is free."""
