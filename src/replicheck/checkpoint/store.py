@@ -240,7 +240,10 @@ class CheckpointStore:
             except Exception as exc:  # noqa: BLE001 - reported on every rank below
                 log.error("checkpoint at step %d not written: %s", step, exc)
                 outcome = (False, f"{type(exc).__name__}: {exc}")
-        ok, value = comm.gather_objects(outcome)[self.writer_rank]
+        written = comm.gather_objects(outcome)[self.writer_rank]
+        if written is None:
+            raise CheckpointWriteError(f"rank {self.writer_rank} reported nothing for the checkpoint of step {step}")
+        ok, value = written
         if not ok:
             raise CheckpointWriteError(f"rank {self.writer_rank} could not write the checkpoint of step {step}: {value}")
         manifest = Manifest.from_dict(value)
