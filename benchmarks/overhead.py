@@ -24,13 +24,14 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from replicheck.guard import Guard, GuardConfig
+from replicheck.guard.config import Mode
 from replicheck.harness.launch import RankContext, node_names, run_local
 from replicheck.harness.workloads import DecoderConfig, lm_loss, make_model, synthetic_batch
 
 MODEL = DecoderConfig(vocab=1024, d_model=256, n_layers=4, n_heads=8, seq_len=256)
 
 
-def _bench(ctx: RankContext, rounds: int, block: int, batch: int, mode: str, warmup: int) -> dict[str, Any]:
+def _bench(ctx: RankContext, rounds: int, block: int, batch: int, mode: Mode, warmup: int) -> dict[str, Any]:
     import torch.distributed as dist
 
     def make() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -40,7 +41,7 @@ def _bench(ctx: RankContext, rounds: int, block: int, batch: int, mode: str, war
     plain_model, plain_opt = make()
     guarded_model, guarded_opt = make()
     guard = Guard(guarded_model, guarded_opt, lm_loss, node=ctx.node,
-                  config=GuardConfig(verify_every=10, weights_every=10, mode=mode))  # type: ignore[arg-type]
+                  config=GuardConfig(verify_every=10, weights_every=10, mode=mode))
     batches = [synthetic_batch(MODEL, step=s, rank=ctx.rank, batch=batch) for s in range(block)]
 
     def plain_step(b: dict[str, torch.Tensor]) -> None:
@@ -63,8 +64,10 @@ def _bench(ctx: RankContext, rounds: int, block: int, batch: int, mode: str, war
         timed(True, batches[i % block])
     while guard.next_step % 10:  # start the timed rounds on a verification step
         timed(True, batches[0])
-    plain_t, guarded_t = [], []
-    verify_extra, ordinary_extra = [], []  # paired differences, guarded - plain, per step
+    plain_t: list[float] = []
+    guarded_t: list[float] = []
+    verify_extra: list[float] = []  # paired differences, guarded - plain, per step
+    ordinary_extra: list[float] = []
     for r in range(rounds):
         # Plain and guarded steps alternate one by one (order swapped every step), so anything
         # that slows the machine for a while slows both loops alike.

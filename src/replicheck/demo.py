@@ -66,9 +66,64 @@ def _scenario(name: str) -> Scenario:
     return select(default_scenarios(), name)[0]
 
 
+@dataclass(frozen=True)
+class _Plan:
+    """The demo's job, resolved from its scenario."""
+
+    root: Path
+    """Output directory."""
+    scenario: Scenario
+    """The scenario played."""
+    job: Any
+    """The campaign job resolved from the scenario."""
+    names: list[str]
+    """The job's simulated nodes."""
+    ranks_nodes: list[str]
+    """Node of every rank."""
+    spec: JobSpec
+    """The training job run first (with the fault)."""
+    guard: GuardConfig
+    """The guard configuration of that job."""
+    fault_rank: int | None
+    """The rank the fault hits, if any."""
+
+
 def run_demo(config: DemoConfig, out: TextIO = sys.stdout) -> dict[str, Any]:
     """Play the scenario; return the facts (also written to ``out_dir/demo.json``)."""
     say = _Printer(out)
+    plan = _prepare(config, say)
+    backend, spare_names = _cluster(plan, config)
+    t_job = time.monotonic()
+    say("train", f"job demo-job starts on {', '.join(plan.names)}")
+    first = run_local(train, plan.ranks_nodes, args=(plan.spec,), timeout=900)
+    facts: dict[str, Any] = {"scenario": plan.scenario.name, "nodes": plan.names, "spares": spare_names,
+                             "fault_rank": plan.fault_rank,
+                             "fault_node": plan.ranks_nodes[plan.fault_rank] if plan.fault_rank is not None else None}
+    if first[0].incident is None:
+        _undetected(plan, say, first, facts)
+        return _finish(plan.root, say, facts, config, first, None)
+
+    incident = _recommend(plan, say, Incident.from_dict(first[0].incident))
+    first_job_s = time.monotonic() - t_job
+    transitions, requests = _control(plan, say, backend, incident, config)
+    facts.update(detected=True, incident=incident.to_dict(), transitions=transitions)
+    if not requests:
+        say("result", "not resumed (replacement not approved)")
+        facts.update(final_equal=None)
+        return _finish(plan.root, say, facts, config, first, None)
+
+    second, replaced, resume_s = _resume(plan, say, incident, requests[-1])
+    equal = _states_equal(second, _clean_run(say, plan.spec, plan.guard, plan.job, plan.ranks_nodes))
+    say("proof", ("final weights are bit-for-bit identical to a clean run of the same length"
+                  if equal else "final weights DIFFER from the clean run"))
+    facts.update(resumed_from=second[0].resumed_from, final_step=second[0].last_step, final_equal=equal,
+                 replacement=replaced, first_job_s=round(first_job_s, 1), resume_s=round(resume_s, 1),
+                 recomputed_steps=(incident.step - (second[0].resumed_from or 0) - 1))
+    return _finish(plan.root, say, facts, config, first, second)
+
+
+def _prepare(config: DemoConfig, say: _Printer) -> _Plan:
+    """A fresh output directory and the scenario's job, with checkpoints and incidents in it."""
     root = Path(config.out_dir)
     if root.exists():
         import shutil
@@ -76,8 +131,7 @@ def run_demo(config: DemoConfig, out: TextIO = sys.stdout) -> dict[str, Any]:
         shutil.rmtree(root)
     (root / "incidents").mkdir(parents=True)
     scenario = _scenario(config.scenario)
-    defaults = JobDefaults(nodes=config.nodes, gpus_per_node=1, steps=config.steps)
-    job = resolve(scenario, defaults)
+    job = resolve(scenario, JobDefaults(nodes=config.nodes, gpus_per_node=1, steps=config.steps))
     per = job.gpus_per_node
     names = [f"node{i}" for i in range(job.nodes)]
     ranks_nodes = [names[r // per] for r in range(job.world)]
@@ -95,93 +149,92 @@ def run_demo(config: DemoConfig, out: TextIO = sys.stdout) -> dict[str, Any]:
     if fault is not None and fault_rank is not None:
         say("fault", f"{scenario.title}: rank {fault_rank} on {ranks_nodes[fault_rank]} "
             f"({fault.describe()})")
+    return _Plan(root=root, scenario=scenario, job=job, names=names, ranks_nodes=ranks_nodes, spec=spec,
+                 guard=guard, fault_rank=fault_rank)
 
-    backend = LocalBackend(root / "controller.db")
-    for n in names:
+
+def _cluster(plan: _Plan, config: DemoConfig) -> tuple[LocalBackend, list[str]]:
+    """The controller's local backend with the job's nodes and the spares."""
+    backend = LocalBackend(plan.root / "controller.db")
+    for n in plan.names:
         backend.add_node(n)
     spare_names = [f"spare{i}" for i in range(config.spares)]
     for n in spare_names:
         backend.add_node(n, spare=True)
+    return backend, spare_names
 
-    t_job = time.monotonic()
-    say("train", f"job demo-job starts on {', '.join(names)}")
-    first = run_local(train, ranks_nodes, args=(spec,), timeout=900)
-    facts: dict[str, Any] = {"scenario": scenario.name, "nodes": names, "spares": spare_names,
-                             "fault_rank": fault_rank,
-                             "fault_node": ranks_nodes[fault_rank] if fault_rank is not None else None}
-    incident_d = first[0].incident
-    if incident_d is None:
-        say("result", f"no incident; training reached step {first[0].last_step}")
-        equal = None
-        if fault is not None:
-            equal = _states_equal(first, _clean_run(say, spec, guard, job, ranks_nodes))
-            say("proof", "final weights equal a clean run's: the fault changed nothing" if equal else
-                "final weights DIFFER from a clean run: the fault went undetected (see the scenario's note)")
-        facts.update(detected=False, final_equal=equal, note=scenario.note)
-        return _finish(root, say, facts, config, first, None)
 
-    incident = Incident.from_dict(incident_d)
-    store = CheckpointStore(root / "checkpoints")
-    incident = store.annotate(incident)
-    write_incident(incident, root / "incidents")
+def _undetected(plan: _Plan, say: _Printer, first: list[JobResult], facts: dict[str, Any]) -> None:
+    """No incident: with a fault, prove by a clean run whether it changed the weights."""
+    say("result", f"no incident; training reached step {first[0].last_step}")
+    equal = None
+    if plan.job.fault is not None:
+        equal = _states_equal(first, _clean_run(say, plan.spec, plan.guard, plan.job, plan.ranks_nodes))
+        say("proof", "final weights equal a clean run's: the fault changed nothing" if equal else
+            "final weights DIFFER from a clean run: the fault went undetected (see the scenario's note)")
+    facts.update(detected=False, final_equal=equal, note=plan.scenario.note)
+
+
+def _recommend(plan: _Plan, say: _Printer, incident: Incident) -> Incident:
+    """The incident with its recommended checkpoint, written where the controller reads it."""
+    incident = CheckpointStore(plan.root / "checkpoints").annotate(incident)
+    write_incident(incident, plan.root / "incidents")
     rc = incident.recommended_checkpoint or {}
     say("incident", f"step {incident.step}: check {incident.check!r} names rank(s) {list(incident.suspect_ranks)} "
         f"on {list(incident.suspect_nodes)} ({incident.classification}); update of step {incident.step} "
         f"NOT applied; last passing verification {incident.last_verified_step}; "
         f"recommended checkpoint: step {rc.get('step')}", incident=incident.to_dict())
-    first_job_s = time.monotonic() - t_job
+    return incident
 
+
+def _control(plan: _Plan, say: _Printer, backend: LocalBackend, incident: Incident,
+             config: DemoConfig) -> tuple[list[dict[str, Any]], list[Any]]:
+    """The controller cordons, triages and, once approved, replaces: ``(transitions, resume requests)``."""
     for n in incident.suspect_nodes:
         backend.set_healthy(n, False)  # the simulated bad hardware also fails its self-test
     ctl_cfg = ControllerConfig(apply=True, auto_approve=False, triage_persistent=True,
-                               incident_dirs=(str(root / "incidents"),), retry_base_delay_s=0.0)
+                               incident_dirs=(str(plan.root / "incidents"),), retry_base_delay_s=0.0)
     transitions: list[dict[str, Any]] = []
 
     def on_transition(t: Any) -> None:
         transitions.append({"from": t.from_state.value, "to": t.to_state.value, "reason": t.reason})
         say("controller", f"{t.from_state.value} -> {t.to_state.value}: {t.reason}")
 
-    with Controller(root / "controller.db", backend=backend, config=ctl_cfg, on_transition=on_transition) as ctl:
-        ctl.ingest_dir(root / "incidents")
+    with Controller(plan.root / "controller.db", backend=backend, config=ctl_cfg, on_transition=on_transition) as ctl:
+        ctl.ingest_dir(plan.root / "incidents")
         _settle(ctl)
         record = next(r for r in ctl.records() if r.incident_id == incident.id)
         if record.state.value == "awaiting_approval":
-            prompt = (f"Replace node(s) {', '.join(incident.suspect_nodes)} (incident {incident.id})? [y/N] ")
-            if config.approve is None:
-                say("approval", f"no person at the terminal: approved automatically as {config.approver!r} "
-                    "(run interactively to be asked)")
-                ctl.approve(incident.id, by=config.approver)
-            elif config.approve(prompt):
-                ctl.approve(incident.id, by=config.approver)
-            else:
-                ctl.dismiss(incident.id, by=config.approver)
+            _approve(ctl, say, incident, config)
             _settle(ctl)
-        requests = backend.resume_requests()
-    facts.update(detected=True, incident=incident.to_dict(), transitions=transitions)
-    if not requests:
-        say("result", "not resumed (replacement not approved)")
-        facts.update(final_equal=None)
-        return _finish(root, say, facts, config, first, None)
+        return transitions, list(backend.resume_requests())
 
-    req = requests[-1]
-    replaced = dict(zip(incident.suspect_nodes, [n for n in req.nodes if n not in names]))
-    new_nodes = [replaced.get(n, n) for n in ranks_nodes]
+
+def _approve(ctl: Controller, say: _Printer, incident: Incident, config: DemoConfig) -> None:
+    prompt = (f"Replace node(s) {', '.join(incident.suspect_nodes)} (incident {incident.id})? [y/N] ")
+    if config.approve is None:
+        say("approval", f"no person at the terminal: approved automatically as {config.approver!r} "
+            "(run interactively to be asked)")
+        ctl.approve(incident.id, by=config.approver)
+    elif config.approve(prompt):
+        ctl.approve(incident.id, by=config.approver)
+    else:
+        ctl.dismiss(incident.id, by=config.approver)
+
+
+def _resume(plan: _Plan, say: _Printer, incident: Incident, req: Any) -> tuple[list[JobResult], dict[str, str], float]:
+    """The job again on the replacement nodes, from the recommended checkpoint."""
+    replaced = dict(zip(incident.suspect_nodes, [n for n in req.nodes if n not in plan.names]))
+    new_nodes = [replaced.get(n, n) for n in plan.ranks_nodes]
     say("resume", f"job {req.job_id} resumes from checkpoint step {(req.checkpoint or {}).get('step')} on "
         f"{', '.join(dict.fromkeys(new_nodes))} (excluded: {', '.join(req.exclude) or 'none'})")
-    resumed_spec = dataclasses.replace(spec, setup=_clean_setup(job), resume=True,
+    resumed_spec = dataclasses.replace(plan.spec, setup=_clean_setup(plan.job), resume=True,
                                        resume_incident=incident.to_json())
     t_resume = time.monotonic()
     second = run_local(train, new_nodes, args=(resumed_spec,), timeout=900)
     resume_s = time.monotonic() - t_resume
     say("resumed", f"training finished at step {second[0].last_step} (resumed from {second[0].resumed_from})")
-
-    equal = _states_equal(second, _clean_run(say, spec, guard, job, ranks_nodes))
-    say("proof", ("final weights are bit-for-bit identical to a clean run of the same length"
-                  if equal else "final weights DIFFER from the clean run"))
-    facts.update(resumed_from=second[0].resumed_from, final_step=second[0].last_step, final_equal=equal,
-                 replacement=replaced, first_job_s=round(first_job_s, 1), resume_s=round(resume_s, 1),
-                 recomputed_steps=(incident.step - (second[0].resumed_from or 0) - 1))
-    return _finish(root, say, facts, config, first, second)
+    return second, replaced, resume_s
 
 
 def _clean_run(say: _Printer, spec: JobSpec, guard: GuardConfig, job: Any, nodes: list[str]) -> list[JobResult]:

@@ -15,7 +15,7 @@ collective.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Iterable, Literal, Mapping, Sequence
 
 import torch
 
@@ -26,6 +26,7 @@ _K_COL = 3394490528163516939  # 0xBF58476D1CE4E5B9 >> 1, doubled where used
 _K_TAIL = -7723592293110705685  # 0x94D049BB133111EB
 _NONE_DIGEST = 0x5EED_0000_0000_0001
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
 
 def _wrap(v: int) -> int:
     """``v`` reduced to a signed 64-bit value (the arithmetic the digests use)."""
@@ -172,3 +173,49 @@ def sketch_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     both_zero = (a.abs().amax(dim=1) == 0) & (b.abs().amax(dim=1) == 0)
     diff = torch.where(both_zero, torch.zeros_like(diff), diff)
     return torch.where(bad, torch.full_like(diff, float("inf")), diff)
+
+
+# -- digests of training state: one definition for the guard, the checkpoint store, the harness --
+
+Weights = Literal["trainable", "all"]
+"""Which parameters a weights digest covers: those with ``requires_grad`` (what the guard
+checks across replicas) or every parameter (what a checkpoint holds)."""
+
+
+def named_weights(module: torch.nn.Module, which: Weights) -> list[tuple[str, torch.nn.Parameter]]:
+    """``module``'s parameters covered by a ``which`` digest, in ``named_parameters()`` order."""
+    if which not in ("trainable", "all"):
+        raise ValueError(f"which must be 'trainable' or 'all', got {which!r}")
+    return [(n, p) for n, p in module.named_parameters() if which == "all" or p.requires_grad]
+
+
+def weights_digest(tensors: Iterable[torch.Tensor | None]) -> int:
+    """One position-weighted digest of a sequence of tensors (weights, in a fixed order)."""
+    return int(combine(digests(list(tensors))))
+
+
+def model_digest(module: torch.nn.Module, which: Weights) -> int:
+    """:func:`weights_digest` of the parameters :func:`named_weights` selects."""
+    return weights_digest(p for _, p in named_weights(module, which))
+
+
+OptimizerState = Mapping[Any, Mapping[str, Any]]
+"""An optimizer's ``state_dict()["state"]``: per-parameter state keyed by parameter index."""
+
+
+def optimizer_digest(source: torch.optim.Optimizer | OptimizerState) -> int:
+    """Digest of optimizer state: parameters in order, each one's tensors by sorted key.
+
+    ``source`` is a live optimizer (parameters in ``param_groups`` order) or a state dict's
+    ``"state"`` (parameter indices in order, which number ``param_groups`` the same way), so a
+    live optimizer and its saved state digest alike.
+    """
+    if isinstance(source, torch.optim.Optimizer):
+        entries: list[Any] = [source.state.get(p, {}) for g in source.param_groups for p in g["params"]]
+    else:
+        entries = [source[i] for i in sorted(source, key=lambda k: (str(type(k)), k))]
+    tensors: list[torch.Tensor | None] = []
+    for entry in entries:
+        if isinstance(entry, Mapping):
+            tensors.extend(entry[k] for k in sorted(entry, key=str) if isinstance(entry[k], torch.Tensor))
+    return weights_digest(tensors)

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from replicheck.checkpoint import CheckpointStore
+from replicheck.guard.comm import Comm
 from replicheck.incident import Incident
 
 
@@ -43,13 +44,6 @@ class _Cfg:
     verify_every: int = 10
 
 
-class _Comm:
-    rank = 0
-
-    def gather_objects(self, obj: Any) -> list[Any]:
-        return [obj]
-
-
 @dataclass
 class FakeGuard:
     """What :meth:`CheckpointStore.save` uses of a guard, for single-process tests."""
@@ -58,7 +52,8 @@ class FakeGuard:
     config: _Cfg = field(default_factory=_Cfg)
     rank: int = 0
     world_size: int = 1
-    comm: _Comm = field(default_factory=_Comm)
+    comm: Comm = field(default_factory=Comm)
+    """A real world-size-1 :class:`Comm` (single-process tests have no process group)."""
     checks: int = 0
     fail: Exception | None = None
 

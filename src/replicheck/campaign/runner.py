@@ -73,7 +73,7 @@ def resolve(scenario: Scenario, defaults: JobDefaults) -> Job:
 
 
 @dataclass
-class Outcome:
+class ScenarioOutcome:
     """What happened in one scenario (JSON-ready through :meth:`to_dict`)."""
 
     name: str
@@ -136,7 +136,7 @@ def _steps_run(results: Sequence[JobResult]) -> int:
     return max(r.last_step for r in results) + 1
 
 
-def evaluate(job: Job, results: Sequence[JobResult], seconds: float) -> Outcome:
+def evaluate(job: Job, results: Sequence[JobResult], seconds: float) -> ScenarioOutcome:
     """Turn the ranks' results into the row: detection, latency, suspect, false alarms."""
     sc, fault = job.scenario, job.fault
     incident = next((r.incident for r in results if r.incident is not None), None)
@@ -169,7 +169,7 @@ def evaluate(job: Job, results: Sequence[JobResult], seconds: float) -> Outcome:
     else:
         ok = detected is None
     losses = {str(r.rank): [r.losses.get(s) for s in range(_steps_run(results))] for r in results}
-    return Outcome(
+    return ScenarioOutcome(
         name=sc.name, title=sc.title, fault=_describe(fault), nodes=job.nodes, gpus_per_node=job.gpus_per_node,
         mode=job.mode, verify_every=job.verify_every, weights_every=job.weights_every, steps=job.spec.steps,
         expect=sc.expect, onset=onset, first_corruption=first, corruptions=len(records), detected_at=detected,
@@ -192,7 +192,7 @@ def _describe(fault: Fault | None) -> dict[str, Any] | None:
             "what": fault.what.describe(), "rank": fault.rank, "seed": fault.seed, "text": fault.describe()}
 
 
-def run_scenario(scenario: Scenario, defaults: JobDefaults) -> Outcome:
+def run_scenario(scenario: Scenario, defaults: JobDefaults) -> ScenarioOutcome:
     """Run one scenario as a local multi-process job and evaluate it."""
     job = resolve(scenario, defaults)
     started = time.monotonic()
@@ -200,7 +200,7 @@ def run_scenario(scenario: Scenario, defaults: JobDefaults) -> Outcome:
         results = run_local(train, node_names(job.nodes, job.gpus_per_node), args=(job.spec,),
                             timeout=defaults.timeout)
     except Exception as exc:  # noqa: BLE001 - a broken scenario is a row with its error, not a crash
-        out = Outcome(
+        out = ScenarioOutcome(
             name=scenario.name, title=scenario.title, fault=_describe(job.fault), nodes=job.nodes,
             gpus_per_node=job.gpus_per_node, mode=job.mode, verify_every=job.verify_every,
             weights_every=job.weights_every, steps=job.spec.steps, expect=scenario.expect,
@@ -215,7 +215,7 @@ def run_scenario(scenario: Scenario, defaults: JobDefaults) -> Outcome:
 
 
 def run_campaign(scenarios: Sequence[Scenario], defaults: JobDefaults,
-                 on_done: Callable[[Outcome], None] | None = None) -> list[Outcome]:
+                 on_done: Callable[[ScenarioOutcome], None] | None = None) -> list[ScenarioOutcome]:
     """Run every scenario in order; ``on_done`` is called after each (progress bars)."""
     outcomes = []
     for sc in scenarios:

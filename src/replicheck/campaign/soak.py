@@ -20,6 +20,7 @@ from typing import Any, Callable
 import torch
 
 from replicheck.guard import GuardConfig, current_pass, current_step
+from replicheck.guard.config import Mode
 from replicheck.harness.jobs import JobSpec, train
 from replicheck.harness.launch import RankContext, node_names, run_local
 from replicheck.guard.modules import unwrap
@@ -41,7 +42,7 @@ class SoakConfig:
     """Simulated nodes."""
     gpus_per_node: int = 2
     """Ranks per node."""
-    mode: str = "exact"
+    mode: Mode = "exact"
     """Guard mode."""
     weights_every: int = 1
     """Weight/optimizer-state comparison period."""
@@ -102,7 +103,7 @@ def run_soak(cfg: SoakConfig, progress: Callable[[int], None] | None = None) -> 
     fd, path = tempfile.mkstemp(prefix="replicheck-soak-")
     os.close(fd)
     every = max(1, min(200, cfg.steps // 100 or 1))
-    guard = GuardConfig(verify_every=1, weights_every=cfg.weights_every, mode=cfg.mode,  # type: ignore[arg-type]
+    guard = GuardConfig(verify_every=1, weights_every=cfg.weights_every, mode=cfg.mode,
                         seed=cfg.seed, job_id="soak")
     spec = JobSpec(steps=cfg.steps, batch=cfg.batch, model=cfg.model or soak_model(), guard=guard, seed=cfg.seed,
                    setup=functools.partial(_progress_hook, path=path, every=every))

@@ -10,7 +10,7 @@ import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, BinaryIO, Callable, Mapping
 
 import torch
 
@@ -41,6 +41,7 @@ from replicheck.checkpoint.policy import (
     eligible,
 )
 from replicheck.incident import Incident, IncidentFormatError, read_incident
+from replicheck.guard.comm import Comm
 from replicheck.guard.modules import unwrap
 
 if TYPE_CHECKING:
@@ -93,47 +94,14 @@ class Loaded:
     """Why each newer candidate was refused, one message per checkpoint."""
 
 
-class _Collective:
-    """Rank, world size and an all-gather, from the guard's group, the default group, or none."""
+@dataclass(frozen=True)
+class _Lineage:
+    """What a checkpoint's manifest records about the run that saved it."""
 
-    def __init__(self, guard: Guard | None) -> None:
-        import torch.distributed as dist
-
-        self._gather: Callable[[Any], list[Any]]
-        if guard is not None:
-            self.rank, self.world_size = guard.rank, guard.world_size
-            self._gather = guard.comm.gather_objects
-        elif dist.is_available() and dist.is_initialized():
-            self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-
-            def gather(obj: Any) -> list[Any]:
-                out: list[Any] = [None] * self.world_size
-                dist.all_gather_object(out, obj)
-                return out
-
-            self._gather = gather
-        else:
-            self.rank, self.world_size = 0, 1
-            self._gather = lambda obj: [obj]
-
-    def gather(self, obj: Any) -> list[Any]:
-        return self._gather(obj) if self.world_size > 1 else [obj]
-
-
-def _weights_digest(tensors: Sequence[torch.Tensor]) -> str:
-    return digest_hex(int(fp.combine(fp.digests(list(tensors)))))
-
-
-def _optimizer_digest(state: Mapping[Any, Any]) -> str:
-    """Digest of an optimizer ``state_dict()['state']``: parameter indices in order, keys sorted."""
-    tensors: list[torch.Tensor | None] = []
-    for index in sorted(state, key=lambda k: (str(type(k)), k)):
-        entry = state[index]
-        if isinstance(entry, Mapping):
-            for key in sorted(entry, key=str):
-                if isinstance(entry[key], torch.Tensor):
-                    tensors.append(entry[key])
-    return _weights_digest([t for t in tensors if t is not None])
+    last_verified_step: int | None
+    verify_every: int | None
+    replicas_checked: bool
+    world_size: int
 
 
 def _check_extra(value: Any, where: str = "extra") -> None:
@@ -254,37 +222,46 @@ class CheckpointStore:
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise CheckpointConfigError(f"step must be a non-negative integer, got {step!r}")
         _check_extra(extra)
-        coll = _Collective(guard)
+        comm = guard.comm if guard is not None else Comm()
         checked = False
         if guard is not None:
             guard.check_replicas()
-            checked = coll.world_size > 1
+            checked = comm.world_size > 1
+        lineage = _Lineage(
+            last_verified_step=self._lineage_verified(guard.last_verified_step if guard is not None else None),
+            verify_every=guard.config.verify_every if guard is not None else None,
+            replicas_checked=checked,
+            world_size=comm.world_size,
+        )
         outcome: tuple[bool, Any] | None = None
-        if coll.rank == self.writer_rank:
+        if comm.rank == self.writer_rank:
             try:
-                outcome = (True, self._write(step, model, optimizer, guard, extra, checked, coll.world_size).to_dict())
+                outcome = (True, self._write(step, model, optimizer, extra, lineage).to_dict())
             except Exception as exc:  # noqa: BLE001 - reported on every rank below
                 log.error("checkpoint at step %d not written: %s", step, exc)
                 outcome = (False, f"{type(exc).__name__}: {exc}")
-        ok, value = coll.gather(outcome)[self.writer_rank]
+        written = comm.gather_objects(outcome)[self.writer_rank]
+        if written is None:
+            raise CheckpointWriteError(f"rank {self.writer_rank} reported nothing for the checkpoint of step {step}")
+        ok, value = written
         if not ok:
             raise CheckpointWriteError(f"rank {self.writer_rank} could not write the checkpoint of step {step}: {value}")
         manifest = Manifest.from_dict(value)
         return Checkpoint(step=step, path=self.directory / _dir_name(step), manifest=manifest)
 
-    def _lineage_verified(self, guard: Guard | None) -> int | None:
-        if guard is not None and guard.last_verified_step is not None:
-            return guard.last_verified_step
+    def _lineage_verified(self, guard_verified: int | None) -> int | None:
+        if guard_verified is not None:
+            return guard_verified
         if self.loaded is not None:
             return self.loaded.checkpoint.last_verified_step
         return None
 
-    def _write(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, guard: Guard | None,
-               extra: Any, checked: bool, world_size: int) -> Manifest:
+    def _write(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, extra: Any,
+               lineage: _Lineage) -> Manifest:
         self.directory.mkdir(parents=True, exist_ok=True)
         atomic.clean_leftovers(self.directory)
         bare = unwrap(model)
-        params = [p for _, p in bare.named_parameters()]
+        params = [p for _, p in fp.named_weights(bare, "all")]
         opt_state = optimizer.state_dict()
         payload = {"format": _PAYLOAD_FORMAT, "step": step, "model": bare.state_dict(),
                    "optimizer": opt_state, "extra": extra}
@@ -294,15 +271,15 @@ class CheckpointStore:
             sha, size = atomic.sha256_file(staged / PAYLOAD_NAME)
             manifest = Manifest(
                 step=step,
-                weights_digest=_weights_digest(params),
-                optimizer_digest=_optimizer_digest(opt_state["state"]),
-                last_verified_step=self._lineage_verified(guard),
-                verify_every=guard.config.verify_every if guard is not None else None,
+                weights_digest=digest_hex(fp.weights_digest(params)),
+                optimizer_digest=digest_hex(fp.optimizer_digest(opt_state["state"])),
+                last_verified_step=lineage.last_verified_step,
+                verify_every=lineage.verify_every,
                 payload_sha256=sha,
                 payload_bytes=size,
                 num_params=len(params),
-                world_size=world_size,
-                replicas_checked=checked,
+                world_size=lineage.world_size,
+                replicas_checked=lineage.replicas_checked,
             )
             atomic.write_file(staged / MANIFEST_NAME, lambda fh: _write_all(fh, manifest.to_json().encode()))
             self._supersede(lambda s: s >= step)
@@ -440,16 +417,16 @@ class CheckpointStore:
         state, opt = payload.get("model"), payload.get("optimizer")
         if not isinstance(state, Mapping) or not isinstance(opt, Mapping) or not isinstance(opt.get("state"), Mapping):
             raise CheckpointCorrupt("payload lacks the model or optimizer state")
-        names = [n for n, _ in unwrap(model).named_parameters()]
+        names = [n for n, _ in fp.named_weights(unwrap(model), "all")]
         missing = [n for n in names if not isinstance(state.get(n), torch.Tensor)]
         if missing:
             raise CheckpointMismatch(f"{ckpt.path}: the model's parameters {missing[:3]} are not in the checkpoint")
         if len(names) != manifest.num_params:
             raise CheckpointMismatch(
                 f"{ckpt.path}: the model has {len(names)} parameter tensors, the checkpoint {manifest.num_params}")
-        if _weights_digest([state[n] for n in names]) != manifest.weights_digest:
+        if digest_hex(fp.weights_digest(state[n] for n in names)) != manifest.weights_digest:
             raise CheckpointCorrupt("weight fingerprint does not match the manifest")
-        if _optimizer_digest(opt["state"]) != manifest.optimizer_digest:
+        if digest_hex(fp.optimizer_digest(opt["state"])) != manifest.optimizer_digest:
             raise CheckpointCorrupt("optimizer-state fingerprint does not match the manifest")
         return manifest, payload
 
@@ -492,7 +469,7 @@ class CheckpointStore:
             self._restore(cand, manifest, payload, model, optimizer)
             chosen = dataclasses.replace(cand, manifest=manifest)
             self.loaded = Loaded(checkpoint=chosen, extra=payload.get("extra"), refused=tuple(refused))
-            if retire_newer and _Collective(None).rank == self.writer_rank:
+            if retire_newer and Comm().rank == self.writer_rank:
                 try:
                     self.retire_after(chosen.step)
                 except OSError as exc:
@@ -531,7 +508,7 @@ class CheckpointStore:
                 optimizer.load_state_dict(payload["optimizer"])
             except (ValueError, KeyError, TypeError, RuntimeError) as exc:
                 raise CheckpointMismatch(f"{ckpt.path}: optimizer state does not fit: {exc}") from None
-        restored = _weights_digest([p for _, p in bare.named_parameters()])
+        restored = digest_hex(fp.model_digest(bare, "all"))
         if restored != manifest.weights_digest:
             raise CheckpointMismatch(
                 f"{ckpt.path}: weights after restoring fingerprint to {restored}, the manifest says "
@@ -544,5 +521,5 @@ def resume_point(directory: str | os.PathLike[str], incident: IncidentLike | Non
     return CheckpointStore(directory).resume_point(incident, policy=policy)
 
 
-def _write_all(fh: Any, data: bytes) -> None:
+def _write_all(fh: BinaryIO, data: bytes) -> None:
     fh.write(data)

@@ -7,7 +7,7 @@ import json
 import sys
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("demo", help="detect, cordon, triage, approve, replace and resume on a local cluster")
     p.add_argument("--scenario", default="aws-persistent-3n", help="campaign scenario to play")
     p.add_argument("--out", default="demo-out", help="output directory (recreated)")

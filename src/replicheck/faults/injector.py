@@ -52,9 +52,10 @@ from replicheck.faults.sites import (
     WeightsAtRest,
     context,
 )
+from replicheck.guard.context import PassName
 from replicheck.guard.modules import unwrap
 
-PASSES: tuple[str, ...] = ("train", "probe", "replay", "optimizer", "rebuild", "idle", "selftest")
+PASSES: tuple[PassName, ...] = ("train", "probe", "replay", "optimizer", "rebuild", "idle", "selftest")
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,7 @@ class Corruption:
     """Rank it happened on."""
     step: int
     """Guard step (``-1`` outside a guarded step)."""
-    pass_: str
+    pass_: PassName
     """Guard pass: ``train``, ``probe``, ``replay``, ``optimizer``, ``idle``..."""
     site: str
     """The fault's site, described."""
@@ -109,7 +110,7 @@ class FaultHandle:
         self._gen = torch.Generator().manual_seed(fault.seed * 2)
         self._site = fault.where.describe() if fault.where is not None else ""
 
-    def offer(self, tensor: torch.Tensor, name: str, *, step: int | None = None, pass_: str | None = None) -> None:
+    def offer(self, tensor: torch.Tensor, name: str, *, step: int | None = None, pass_: PassName | None = None) -> None:
         """Called by a site for each event: corrupt ``tensor`` in place if the fault acts now."""
         if not self.active:
             return
@@ -164,7 +165,7 @@ class Fault:
     """The faulty rank; ``None``: whichever rank installs it."""
     seed: int = 0
     """Seed of positions, bits and intermittent draws."""
-    passes: tuple[str, ...] | None = None
+    passes: tuple[PassName, ...] | None = None
     """Guard passes it may hit (``None``: all — a faulty unit corrupts whatever it computes)."""
 
     def __post_init__(self) -> None:
@@ -245,7 +246,7 @@ class Fault:
     def seeded(self, seed: int) -> Fault:
         return dataclasses.replace(self, seed=seed)
 
-    def only_in(self, *passes: str) -> Fault:
+    def only_in(self, *passes: PassName) -> Fault:
         """Restrict to these guard passes (for example ``"train"`` only)."""
         return dataclasses.replace(self, passes=tuple(passes))
 

@@ -73,6 +73,12 @@ def _values(flat: torch.Tensor, pos: list[int]) -> tuple[float, ...]:
     return tuple(float(flat[p]) for p in pos)
 
 
+def _span(flat: torch.Tensor, start: int, n: int) -> tuple[list[int], tuple[float, ...]]:
+    """Up to ``n`` consecutive positions from ``start`` (clipped at the end) and their values."""
+    pos = list(range(start, min(start + n, flat.numel())))
+    return pos, _values(flat, pos)
+
+
 def bit_range(dtype: torch.dtype, which: BitField) -> tuple[int, int]:
     """Inclusive range of bit indices (0 = least significant) of a field of ``dtype``."""
     if dtype not in _LAYOUT:
@@ -141,8 +147,7 @@ class ZeroChunk:
     def apply(self, tensor: torch.Tensor, gen: torch.Generator) -> Change:
         flat = _flat(tensor)
         start = (_pick(flat.numel(), gen, self.index) // self.width) * self.width
-        pos = list(range(start, min(start + self.width, flat.numel())))
-        old = _values(flat, pos)
+        pos, old = _span(flat, start, self.width)
         flat[start:start + len(pos)] = 0
         return Change(kind="zero_chunk", positions=tuple(pos), old=old, new=_values(flat, pos))
 
@@ -168,8 +173,7 @@ class Scale:
     def apply(self, tensor: torch.Tensor, gen: torch.Generator) -> Change:
         flat = _flat(tensor)
         start = _pick(flat.numel(), gen, self.index)
-        pos = list(range(start, min(start + self.count, flat.numel())))
-        old = _values(flat, pos)
+        pos, old = _span(flat, start, self.count)
         flat[start:start + len(pos)] *= self.factor
         return Change(kind="scale", positions=tuple(pos), old=old, new=_values(flat, pos))
 

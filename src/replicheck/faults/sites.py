@@ -15,7 +15,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from replicheck.faults.errors import FaultConfigError
-from replicheck.guard.context import current_pass, current_step
+from replicheck.guard.context import PassName, current_pass, current_step
 
 Remover = Callable[[], None]
 
@@ -26,7 +26,7 @@ MATMUL_OPS: tuple[str, ...] = ("mm", "addmm", "bmm", "baddbmm")
 class Sink(Protocol):
     """What a site hands its tensors to (the injector)."""
 
-    def offer(self, tensor: torch.Tensor, name: str, *, step: int | None = None, pass_: str | None = None) -> None: ...
+    def offer(self, tensor: torch.Tensor, name: str, *, step: int | None = None, pass_: PassName | None = None) -> None: ...
 
 
 @dataclass
@@ -120,11 +120,16 @@ class Forward:
 
 
 @dataclass(frozen=True, kw_only=True)
-class WeightGradient:
-    """The gradient of one parameter, as its backward kernel produces it (forward untouched)."""
+class _ParamSite:
+    """A site on one named parameter of the bare model."""
 
     param: str
     """Parameter name in the bare model."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class WeightGradient(_ParamSite):
+    """The gradient of one parameter, as its backward kernel produces it (forward untouched)."""
 
     def install(self, targets: Targets, sink: Sink) -> list[Remover]:
         p = _param(targets.model, self.param)
@@ -141,11 +146,8 @@ class WeightGradient:
 
 
 @dataclass(frozen=True, kw_only=True)
-class OptimizerUpdate:
+class OptimizerUpdate(_ParamSite):
     """The update the optimizer applies to one parameter (the step's delta is corrupted)."""
-
-    param: str
-    """Parameter name in the bare model."""
 
     def install(self, targets: Targets, sink: Sink) -> list[Remover]:
         if targets.optimizer is None:
@@ -177,11 +179,8 @@ class OptimizerUpdate:
 
 
 @dataclass(frozen=True, kw_only=True)
-class WeightsAtRest:
+class WeightsAtRest(_ParamSite):
     """A parameter's stored values, corrupted between steps (before the step's first forward)."""
-
-    param: str
-    """Parameter name in the bare model."""
 
     def install(self, targets: Targets, sink: Sink) -> list[Remover]:
         p = _param(targets.model, self.param)
@@ -225,6 +224,6 @@ class ReducedGradient:
         return "reduced gradient" + ("" if self.bucket is None else f" bucket {self.bucket}")
 
 
-def context() -> tuple[int, str]:
+def context() -> tuple[int, PassName]:
     """The step and pass the guard is in now (``-1``/``idle`` outside a guarded step)."""
     return current_step(), current_pass()

@@ -16,10 +16,12 @@ def batch_size(batch: Any) -> int:
     leaves = [x for x in pytree.tree_leaves(batch) if isinstance(x, torch.Tensor)]
     if not leaves:
         raise BatchError("a batch must contain at least one tensor")
-    sizes = {x.shape[0] if x.dim() else None for x in leaves}
-    if len(sizes) != 1 or None in sizes:
+    dims = [int(x.shape[0]) if x.dim() else None for x in leaves]
+    sizes = set(dims)
+    first = dims[0]
+    if len(sizes) != 1 or first is None:
         raise BatchError(f"every tensor in a batch needs the same dimension 0, got {sorted(map(str, sizes))}")
-    return int(sizes.pop())  # type: ignore[arg-type]
+    return first
 
 
 def split(batch: Any, n: int) -> tuple[Any, Any]:

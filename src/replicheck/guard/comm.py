@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from replicheck.guard.batch import pack, unpack
+
+T = TypeVar("T")
 
 
 class Comm:
@@ -38,14 +40,15 @@ class Comm:
         dist.all_gather(out, local, group=self.group)
         return torch.stack(out).cpu()
 
-    def gather_objects(self, obj: Any) -> list[Any]:
+    def gather_objects(self, obj: T) -> list[T]:
+        """Every rank's ``obj`` (pickled), indexed by rank."""
         if self.world_size == 1:
             return [obj]
-        out: list[Any] = [None] * self.world_size
+        out = [obj] * self.world_size  # placeholders: the all-gather replaces every slot
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
-    def exchange(self, sends: Sequence[tuple[int, Any]], recv_from: Sequence[int]) -> dict[int, Any]:
+    def exchange(self, sends: Sequence[tuple[int, object]], recv_from: Sequence[int]) -> dict[int, object]:
         """Send each ``(dest, obj)`` and receive one object from every rank in ``recv_from``.
 
         Every rank posts all its sends and receives before waiting, so any pattern of pairs

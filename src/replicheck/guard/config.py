@@ -7,6 +7,11 @@ from typing import Literal
 
 from replicheck.guard.errors import GuardConfigError
 
+Mode = Literal["exact", "tolerant"]
+"""How probe results are compared: bit for bit, or within a calibrated threshold."""
+ProbeMode = Literal["auto", "split", "extra"]
+"""Whether a probe is part of the real batch (``split``) or computed in addition (``extra``)."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class GuardConfig:
@@ -16,12 +21,12 @@ class GuardConfig:
     """Run the ring replay on steps ``s`` with ``s % verify_every == 0``."""
     weights_every: int = 10
     """Compare weights and optimizer state across replicas every this many steps (0: never)."""
-    mode: Literal["exact", "tolerant"] = "exact"
+    mode: Mode = "exact"
     """``exact``: bit-for-bit digests, deterministic kernels for probe passes.
     ``tolerant``: norm-scaled sketches with a threshold calibrated from the job's own noise."""
     probe_size: int = 1
     """Samples taken from the front of the first micro-batch as the probe."""
-    probe: Literal["auto", "split", "extra"] = "auto"
+    probe: ProbeMode = "auto"
     """``split``: the probe is part of the real batch (no extra compute for the source).
     ``extra``: the probe is computed in addition (needed for BatchNorm in train mode).
     ``auto``: ``extra`` when the model has a BatchNorm layer in train mode, else ``split``."""

@@ -6,13 +6,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator, Literal
 
-Pass = Literal["idle", "train", "probe", "replay", "optimizer", "rebuild", "selftest"]
+PassName = Literal["idle", "train", "probe", "replay", "optimizer", "rebuild", "selftest"]
+"""What the process is running: a training pass, a probe, a replay, the optimizer step..."""
 
 
 @dataclass
 class _State:
     step: int = -1
-    pass_: Pass = "idle"
+    pass_: PassName = "idle"
     replaying: bool = False
 
 
@@ -35,13 +36,13 @@ def current_step() -> int:
     return _state().step
 
 
-def current_pass() -> Pass:
+def current_pass() -> PassName:
     """Which pass runs now: ``train``, ``probe`` (this rank's own probe), ``replay``, or ``idle``."""
     return _state().pass_
 
 
 @contextmanager
-def running(step: int, pass_: Pass) -> Iterator[None]:
+def running(step: int, pass_: PassName) -> Iterator[None]:
     """Mark the process as running ``pass_`` of ``step``."""
     state = _state()
     saved = (state.step, state.pass_, state.replaying)

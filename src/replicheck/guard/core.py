@@ -5,41 +5,37 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, ContextManager, NoReturn, Sequence
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from replicheck import fingerprint as fp
 from replicheck.guard import replicas
+from replicheck.guard.attribution import Criterion, LocalView, PairOutcome, Replayer, resolve_replay
 from replicheck.guard.batch import batch_size, split
 from replicheck.guard.comm import Comm
-from replicheck.guard.config import GuardConfig
+from replicheck.guard.config import GuardConfig, ProbeMode
 from replicheck.guard.context import running
 from replicheck.guard.errors import BatchError, CorruptionDetected, GuardConfigError
-from replicheck.guard.followup import LocalView, resolve_replay
 from replicheck.guard.health import GradHealth, ReducedHook
 from replicheck.guard.probe import (
+    BackwardPass,
     Fingerprinter,
     LossFn,
-    ProbeResult,
-    bits_float,
+    Recompute,
     buffers_restored,
     compare,
     deterministic,
-    float_bits,
     probe_seed,
-    replay,
     seeded,
 )
 from replicheck.guard.report import IncidentBuilder
 from replicheck.guard.ring import Ring
-from replicheck.guard.verdict import Finding, tolerance
-from replicheck.incident import NodeIdentity
 from replicheck.guard.runtime import RuntimeInfo
-
-# Columns of the row every rank contributes to the step's single all-gather.
-_LOCAL_NORM, _REDUCED, _WEIGHTS, _OPT, _VERIFIED, _PAIR, _NOISE, _LOSS = range(8)
-_ROW = 8
+from replicheck.guard.verdict import Finding, tolerance
+from replicheck.guard.wire import ProbePayload, ProbeResult, StepRow
+from replicheck.incident import NodeIdentity
 
 
 @dataclass(frozen=True)
@@ -54,6 +50,38 @@ class StepResult:
     """True when this step ran the ring replay (and it passed)."""
     replicas_checked: bool = False
     """True when weights and optimizer state were compared across replicas on this step."""
+
+
+@dataclass(frozen=True)
+class _SplitProbe:
+    """In ``split`` mode the probe is the front of the first micro-batch and counts for the step."""
+
+    loss: torch.Tensor
+    """The probe's (detached) loss."""
+    weight: float
+    """Its share of the step's loss."""
+    rest: Any | None
+    """The rest of the first micro-batch, or ``None`` when the probe took all of it."""
+
+
+@dataclass(frozen=True)
+class _OwnProbe:
+    """This rank's probe of a verification step."""
+
+    payload: ProbePayload
+    """What is sent to the verifier."""
+    split: _SplitProbe | None
+    """Set when the probe already ran as part of the real batch."""
+
+
+@dataclass
+class _Backward:
+    """What the step's backward passes left behind."""
+
+    losses: list[tuple[float, torch.Tensor]]
+    """``(weight, detached loss)`` of every pass."""
+    passes: list[BackwardPass]
+    """The passes as they ran, for a re-run on the failure path."""
 
 
 class Guard:
@@ -72,60 +100,78 @@ class Guard:
         config: GuardConfig | None = None,
         node: str | NodeIdentity | None = None,
     ) -> None:
-        self.config = config if config is not None else GuardConfig()
-        if not isinstance(self.config, GuardConfig):
+        cfg = config if config is not None else GuardConfig()
+        if not isinstance(cfg, GuardConfig):
             raise GuardConfigError("config must be a GuardConfig")
-        self.model = model
-        self.optimizer = optimizer
-        self.loss_fn = loss_fn
-        ddp = model if isinstance(model, DistributedDataParallel) else None
-        self._ddp = ddp is not None
-        self.module: torch.nn.Module = ddp.module if ddp is not None else model  # type: ignore[assignment]
-        self.comm = Comm(ddp.process_group if ddp is not None else None)
-        if self.comm.world_size > 1 and not self._ddp:
-            raise GuardConfigError("with world size > 1 the model must be wrapped in DistributedDataParallel")
-        named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
-        if not named:
-            raise GuardConfigError("the model has no trainable parameters")
-        self.param_names = [n for n, _ in named]
-        self.params = [p for _, p in named]
+        self._config = cfg
+        self._model, self._optimizer, self._loss_fn = model, optimizer, loss_fn
+        self._ddp_model = model if isinstance(model, DistributedDataParallel) else None
+        self._module: torch.nn.Module = self._ddp_model.module if self._ddp_model is not None else model
+        self._comm = Comm(self._ddp_model.process_group if self._ddp_model is not None else None)
+        named = self._checked_params()
+        self._params = [p for _, p in named]
 
-        env: RuntimeInfo | None = None
-        if node is None or self.config.job_id is None:
-            env = RuntimeInfo.from_env()
-        if node is None:
-            assert env is not None
-            identity = env.node
-        elif isinstance(node, str):
-            identity = NodeIdentity(name=node)
-        else:
-            identity = node
-        self.job_id = self.config.job_id or (env.job_id if env else "local")
-        self.node = identity
-        self.nodes: list[NodeIdentity] = self.comm.gather_objects(identity)
-        self.ring = Ring.build([n.name for n in self.nodes])
-        self.rank = self.comm.rank
-        self.world_size = self.comm.world_size
+        identity, job_id = _identity(node, cfg.job_id)
+        self._nodes: tuple[NodeIdentity, ...] = tuple(self._comm.gather_objects(identity))
+        self._ring = Ring.build([n.name for n in self._nodes])
 
-        self._fingerprinter = Fingerprinter(self.config.mode, self.config.sketch_k)
-        self._health = GradHealth(self.comm.group, digest_reduced=self.config.check_reduced and self.world_size > 1)
-        self._hooked = False
-        if ddp is not None:
-            try:
-                ddp.register_comm_hook(None, self._health.comm_hook)
-                self._hooked = True
-            except RuntimeError:
-                # The user owns the comm hook: checks then run after the all-reduce only.
-                self._hooked = False
-        self._batchnorms = [m for m in self.module.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
-        self._next_step = self.config.start_step
-        self._needs_rebuild = self._ddp and self.config.start_step > 0 and self.config.rebuild_buckets_on_resume
-        self.last_verified_step: int | None = self.config.resume_verified_step
+        self._fingerprinter = Fingerprinter(cfg.mode, cfg.sketch_k)
+        self._recompute = Recompute(self._module, loss_fn, self._params, self._fingerprinter, cfg.use_deterministic)
+        self._health = GradHealth(self._comm.group, digest_reduced=cfg.check_reduced and self.world_size > 1)
+        self._hooked = self._install_comm_hook()
+        self._batchnorms = [m for m in self._module.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+        self._next_step = cfg.start_step
+        self._needs_rebuild = self._ddp_model is not None and cfg.start_step > 0 and cfg.rebuild_buckets_on_resume
+        self.last_verified_step: int | None = cfg.resume_verified_step
+        """The newest step whose verification passed (a resumed job may set it from its checkpoint)."""
         self._noise = 0.0
         self._calibrations = 0
-        self._reporter = IncidentBuilder(self)
+        self._reporter = IncidentBuilder(
+            job_id=job_id, rank=self.rank, nodes=self._nodes, param_names=tuple(n for n, _ in named),
+            ring=self._ring.order, mode=cfg.mode, incident_dir=cfg.incident_dir,
+        )
+
+    def _checked_params(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """The trainable parameters the guard checks, after refusing a model it cannot guard."""
+        if self._comm.world_size > 1 and self._ddp_model is None:
+            raise GuardConfigError("with world size > 1 the model must be wrapped in DistributedDataParallel")
+        named = fp.named_weights(self._module, "trainable")
+        if not named:
+            raise GuardConfigError("the model has no trainable parameters")
+        return named
+
+    def _install_comm_hook(self) -> bool:
+        """Check gradients inside DDP's all-reduce when the hook slot is free."""
+        if self._ddp_model is None:
+            return False
+        try:
+            self._ddp_model.register_comm_hook(None, self._health.comm_hook)
+        except RuntimeError:
+            # The user owns the comm hook: checks then run after the all-reduce only.
+            return False
+        return True
 
     # -- public -----------------------------------------------------------------------------
+    @property
+    def config(self) -> GuardConfig:
+        """The guard's configuration."""
+        return self._config
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in the guarded job's process group."""
+        return self._comm.rank
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in the guarded job's process group."""
+        return self._comm.world_size
+
+    @property
+    def comm(self) -> Comm:
+        """Collectives over the guarded job's process group (the checkpoint store uses them)."""
+        return self._comm
+
     @property
     def next_step(self) -> int:
         """Index of the step the next call to :meth:`step` runs."""
@@ -134,14 +180,18 @@ class Guard:
     def add_reduced_gradient_hook(self, hook: ReducedHook) -> Callable[[], None]:
         """Call ``hook(bucket_index, tensor)`` on each reduced gradient bucket; returns a remover."""
         self._health.reduced_hooks.append(hook)
-        return lambda: self._health.reduced_hooks.remove(hook) if hook in self._health.reduced_hooks else None
+
+        def remove() -> None:
+            if hook in self._health.reduced_hooks:
+                self._health.reduced_hooks.remove(hook)
+
+        return remove
 
     def check_replicas(self) -> None:
         """Collective: compare weights and optimizer state now; raise CorruptionDetected if they differ."""
         step = self._next_step - 1
-        row = torch.zeros(2, dtype=torch.int64)
-        row[0], row[1] = replicas.weights_digest(self.params), replicas.optimizer_digest(self.optimizer)
-        rows = self.comm.gather_rows(row)
+        row = torch.tensor([fp.weights_digest(self._params), fp.optimizer_digest(self._optimizer)], dtype=torch.int64)
+        rows = self._comm.gather_rows(row)
         findings = replicas.findings(rows[:, 0].tolist(), rows[:, 1].tolist())
         if findings:
             self._raise(step, findings)
@@ -150,172 +200,190 @@ class Guard:
         """Run one guarded optimizer step over one batch or several micro-batches."""
         if not microbatches:
             raise BatchError("step() needs at least one batch")
-        cfg = self.config
+        cfg = self._config
         s = self._next_step
         sizes = [batch_size(mb) for mb in microbatches]
-        total = sum(sizes)
         verify = s % cfg.verify_every == 0
         check_replicas = self.world_size > 1 and cfg.weights_every > 0 and s % cfg.weights_every == 0
         if self._needs_rebuild:
             self._rebuild_buckets(microbatches[0])
-        self.optimizer.zero_grad(set_to_none=True)
+        self._optimizer.zero_grad(set_to_none=True)
         self._health.reset()
 
-        mbs, weights = list(microbatches), [n / total for n in sizes]
-        losses: list[tuple[float, torch.Tensor]] = []
-        passes: list[replicas.Pass] = []  # what ran, for a re-run on the failure path
-        own: dict[str, Any] | None = None
-        if verify:
-            own, consumed = self._own_probe(s, mbs[0], sizes[0], total, more=len(mbs) > 1)
-            if consumed is not None:
-                losses.append(consumed[0])
-                passes.append((own["batch"], own["weight"], own["seed"]))
-                if consumed[1] is None:
-                    mbs.pop(0), weights.pop(0)
-                else:
-                    mbs[0] = consumed[1]
-                    weights[0] = (sizes[0] - own["size"]) / total
-        for i, mb in enumerate(mbs):
-            sync = i == len(mbs) - 1 or not self._ddp
-            ctx = contextlib.nullcontext() if sync else self.model.no_sync()  # type: ignore[operator]
-            with ctx, running(s, "train"):
-                loss = self.loss_fn(self.model, mb)
-                (loss * weights[i]).backward()
-            losses.append((weights[i], loss.detach()))
-            passes.append((mb, weights[i], None))
-        if not self._hooked:
-            grads = [p.grad for p in self.params if p.grad is not None]
-            self._health.observe_local(grads)
-            self._health.observe_reduced(grads)
-
-        row = torch.zeros(_ROW, dtype=torch.int64)
-        step_loss = float(sum(w * l.double() for w, l in losses))
-        row[_LOSS] = float_bits(step_loss)
-        row[_LOCAL_NORM] = float_bits(self._health.local_norm())
-        row[_REDUCED] = self._health.reduced_digest()
-        if check_replicas:
-            row[_WEIGHTS] = replicas.weights_digest(self.params)
-            row[_OPT] = replicas.optimizer_digest(self.optimizer)
-        view: LocalView | None = None
-        if verify:
-            assert own is not None
-            view, distance, noise = self._verify_pair(s, own)
-            row[_VERIFIED], row[_PAIR], row[_NOISE] = 1, float_bits(distance), float_bits(noise)
-        rows = self.comm.gather_rows(row)
-
-        findings = self._evaluate(s, rows, check_replicas, view, passes)
+        own = self._own_probe(s, microbatches[0], sizes[0], sum(sizes), more=len(sizes) > 1) if verify else None
+        done = self._backward(s, list(microbatches), sizes, own)
+        row, view = self._local_row(s, done, own, check_replicas)
+        rows = StepRow.decode(self._comm.gather_rows(row.encode()))
+        findings = self._evaluate(s, rows, check_replicas, view, done.passes)
         if findings:
             self._raise(s, findings)
         with running(s, "optimizer"):
-            self.optimizer.step()
+            self._optimizer.step()
         if verify:
             self.last_verified_step = s
         self._next_step = s + 1
-        return StepResult(loss=step_loss, step=s, verified=verify, replicas_checked=check_replicas)
+        return StepResult(loss=row.loss, step=s, verified=verify, replicas_checked=check_replicas)
+
+    # -- the step's phases ------------------------------------------------------------------
+    def _no_sync(self, sync: bool) -> ContextManager[Any]:
+        """DDP's ``no_sync`` for a pass whose gradients must not be all-reduced yet."""
+        return self._ddp_model.no_sync() if self._ddp_model is not None and not sync else contextlib.nullcontext()
+
+    def _backward(self, s: int, mbs: list[Any], sizes: Sequence[int], own: _OwnProbe | None) -> _Backward:
+        """The training passes (after a split probe, the rest of the batch); the last one syncs."""
+        total = sum(sizes)
+        weights = [n / total for n in sizes]
+        done = _Backward(losses=[], passes=[])
+        if own is not None and own.split is not None:
+            probe = own.split
+            done.losses.append((probe.weight, probe.loss))
+            done.passes.append(BackwardPass(batch=own.payload.batch, weight=own.payload.weight, seed=own.payload.seed))
+            if probe.rest is None:
+                mbs.pop(0)
+                weights.pop(0)
+            else:
+                mbs[0] = probe.rest
+                weights[0] = (sizes[0] - own.payload.size) / total
+        for i, mb in enumerate(mbs):
+            with self._no_sync(i == len(mbs) - 1), running(s, "train"):
+                loss = self._loss_fn(self._model, mb)
+                _backward(loss * weights[i])
+            done.losses.append((weights[i], loss.detach()))
+            done.passes.append(BackwardPass(batch=mb, weight=weights[i], seed=None))
+        if not self._hooked:
+            grads = [p.grad for p in self._params if p.grad is not None]
+            self._health.observe_local(grads)
+            self._health.observe_reduced(grads)
+        return done
+
+    def _local_row(self, s: int, done: _Backward, own: _OwnProbe | None,
+                   check_replicas: bool) -> tuple[StepRow, LocalView | None]:
+        """This rank's contribution to the step's all-gather (the ring exchange runs here)."""
+        loss = float(sum(w * l.double() for w, l in done.losses))
+        local_norm, reduced = self._health.local_norm(), self._health.reduced_digest()
+        weights = fp.weights_digest(self._params) if check_replicas else 0
+        opt = fp.optimizer_digest(self._optimizer) if check_replicas else 0
+        if own is None:
+            return StepRow(loss=loss, local_norm=local_norm, reduced=reduced, weights=weights, optimizer=opt), None
+        view, distance, noise = self._verify_pair(s, own.payload)
+        return StepRow(loss=loss, local_norm=local_norm, reduced=reduced, weights=weights, optimizer=opt,
+                       verified=True, pair_distance=distance, noise=noise), view
 
     # -- the verification pass --------------------------------------------------------------
-    def _probe_mode(self) -> str:
-        if self.config.probe != "auto":
-            return self.config.probe
+    def _probe_mode(self) -> ProbeMode:
+        if self._config.probe != "auto":
+            return self._config.probe
         return "extra" if any(m.training for m in self._batchnorms) else "split"
 
-    def _own_probe(
-        self, s: int, first: Any, size: int, total: int, more: bool
-    ) -> tuple[dict[str, Any], tuple[tuple[float, torch.Tensor], Any] | None]:
+    def _own_probe(self, s: int, first: Any, size: int, total: int, more: bool) -> _OwnProbe:
         """Compute this rank's probe; in split mode it is also the first part of the real batch."""
-        cfg = self.config
+        cfg = self._config
         p = min(cfg.probe_size, size)
         probe_batch, rest = split(first, p)
         seed = probe_seed(cfg.seed, s, self.rank)
         weight = p / total
-        det = cfg.use_deterministic
-        consumed = None
+        split_probe = None
         if self._probe_mode() == "split" and (size > p or more):
-            ctx = self.model.no_sync() if self._ddp else contextlib.nullcontext()  # type: ignore[operator]
-            with ctx, running(s, "probe"), seeded(seed, self.params[0].device), deterministic(det):
-                loss = self.loss_fn(self.model, probe_batch)
-                (loss * weight).backward()
-            result = ProbeResult(float(loss.detach()), self._fingerprinter([q.grad for q in self.params], seed))
-            consumed = ((weight, loss.detach()), rest if size > p else None)
+            with self._no_sync(False), running(s, "probe"), seeded(seed, self._params[0].device), \
+                    deterministic(cfg.use_deterministic):
+                loss = self._loss_fn(self._model, probe_batch)
+                _backward(loss * weight)
+            result = ProbeResult(float(loss.detach()), self._fingerprinter([q.grad for q in self._params], seed))
+            split_probe = _SplitProbe(loss=loss.detach(), weight=weight, rest=rest if size > p else None)
         else:
-            result = replay(self.module, self.loss_fn, probe_batch, weight=weight, seed=seed, params=self.params,
-                            fingerprinter=self._fingerprinter, deterministic_kernels=det, step=s, pass_="probe")
-        payload = {"step": s, "source": self.rank, "batch": probe_batch, "weight": weight, "seed": seed,
-                   "size": p, "result": result.to_wire()}
-        return payload, consumed
+            result = self._recompute.probe(probe_batch, weight=weight, seed=seed, step=s, pass_="probe")
+        payload = ProbePayload(step=s, source=self.rank, batch=probe_batch, weight=weight, seed=seed, size=p,
+                               result=result)
+        return _OwnProbe(payload=payload, split=split_probe)
 
-    def _replayer(self, s: int) -> Callable[[dict[str, Any]], ProbeResult]:
-        def run(payload: dict[str, Any]) -> ProbeResult:
-            return replay(self.module, self.loss_fn, payload["batch"], weight=payload["weight"], seed=payload["seed"],
-                          params=self.params, fingerprinter=self._fingerprinter,
-                          deterministic_kernels=self.config.use_deterministic, step=s)
-        return run
+    def _replayer(self, s: int) -> Replayer:
+        return lambda payload: self._recompute.payload(payload, s)
 
-    def _verify_pair(self, s: int, own: dict[str, Any]) -> tuple[LocalView, float, float]:
+    def _verify_pair(self, s: int, own: ProbePayload) -> tuple[LocalView, float, float]:
         """Send our probe to our verifier, replay our source's probe; return the comparison."""
-        verifier, source = self.ring.verifier_of(self.rank), self.ring.source_of(self.rank)
-        received = self.comm.exchange([(verifier, own)], [source])[source]
-        replayer = self._replayer(s)
-        replayed = replayer(received)
-        claim = ProbeResult.from_wire(received["result"])
-        mode = self.config.mode
-        distance = compare(claim, replayed, mode, math.inf).distance
+        verifier, source = self._ring.verifier_of(self.rank), self._ring.source_of(self.rank)
+        received = ProbePayload.decode(self._comm.exchange([(verifier, own.encode())], [source])[source])
+        replayed = self._recompute.payload(received, s)
+        mode = self._config.mode
+        distance = compare(received.result, replayed, mode, math.inf).distance
         noise = 0.0
-        if mode == "tolerant" and self._calibrations < self.config.calibration_verifications:
-            again = replayer(own)
-            noise = compare(ProbeResult.from_wire(own["result"]), again, mode, math.inf).distance
-        return LocalView(own_payload=own, received=received, replayed=replayed), distance, noise
+        if mode == "tolerant" and self._calibrations < self._config.calibration_verifications:
+            again = self._recompute.payload(own, s)
+            noise = compare(own.result, again, mode, math.inf).distance
+        return LocalView(own=own, received=received, replayed=replayed), distance, noise
 
     # -- verdict ------------------------------------------------------------------------------
-    def _evaluate(self, s: int, rows: torch.Tensor, check_replicas: bool, view: LocalView | None,
-                  passes: Sequence[replicas.Pass]) -> list[Finding]:
-        cfg = self.config
+    def _evaluate(self, s: int, rows: Sequence[StepRow], check_replicas: bool, view: LocalView | None,
+                  passes: Sequence[BackwardPass]) -> list[Finding]:
+        bound = self._config.grad_norm_bound
         findings: list[Finding] = []
-        norms = [bits_float(int(v)) for v in rows[:, _LOCAL_NORM].tolist()]
-        bad = [r for r, n in enumerate(norms)
-               if not math.isfinite(n) or (cfg.grad_norm_bound is not None and n > cfg.grad_norm_bound)]
+        norms = [r.local_norm for r in rows]
+        bad = [r for r, n in enumerate(norms) if not replicas.healthy(n, bound)]
         if bad:
-            findings.append(replicas.gradient_finding(self, bad, norms, passes, s))
+            findings.append(replicas.gradient_finding(self._comm, bad, norms, bound,
+                                                      lambda: self._recompute.gradient_norm(passes, s)))
         if self._health.digest_reduced:
-            f = replicas.vote_finding("reduced_gradients", rows[:, _REDUCED].tolist())
+            f = replicas.vote_finding("reduced_gradients", [r.reduced for r in rows])
             if f is not None:
                 findings.append(f)
         if check_replicas:
-            findings.extend(replicas.findings(rows[:, _WEIGHTS].tolist(), rows[:, _OPT].tolist()))
+            findings.extend(replicas.findings([r.weights for r in rows], [r.optimizer for r in rows]))
         if view is not None:
-            threshold = 0.0
-            if cfg.mode == "tolerant":
-                if self._calibrations < cfg.calibration_verifications:
-                    self._noise = max(self._noise, max(bits_float(int(v)) for v in rows[:, _NOISE].tolist()))
-                    self._calibrations += 1
-                threshold = tolerance(self._noise, margin=cfg.tolerance_margin, floor=cfg.tolerance_floor,
-                                      ceiling=cfg.tolerance_ceiling)
-            failing, pairs = [], []
-            for ver in range(self.world_size):
-                src = self.ring.source_of(ver)
-                d = bits_float(int(rows[ver, _PAIR]))
-                ok = d == 0.0 if cfg.mode == "exact" else d <= threshold
-                pairs.append({"source": src, "verifier": ver, "source_node": self.nodes[src].name,
-                              "verifier_node": self.nodes[ver].name, "distance": d, "agree": ok})
-                if not ok:
-                    failing.append((src, ver))
-            if failing:
-                findings.append(resolve_replay(comm=self.comm, ring=self.ring, failing=failing, view=view,
-                                               replayer=self._replayer(s), mode=cfg.mode, threshold=threshold,
-                                               pair_evidence=pairs))
+            f = self._replay_finding(s, rows, view)
+            if f is not None:
+                findings.append(f)
         return findings
 
-    def _raise(self, s: int, findings: list[Finding]) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
-        incident = self._reporter.build(s, findings)
+    def _threshold(self, rows: Sequence[StepRow]) -> float:
+        """Tolerant mode: the threshold, after folding this step's noise into the calibration."""
+        cfg = self._config
+        if cfg.mode != "tolerant":
+            return 0.0
+        if self._calibrations < cfg.calibration_verifications:
+            self._noise = max(self._noise, max(r.noise for r in rows))
+            self._calibrations += 1
+        return tolerance(self._noise, margin=cfg.tolerance_margin, floor=cfg.tolerance_floor,
+                         ceiling=cfg.tolerance_ceiling)
+
+    def _replay_finding(self, s: int, rows: Sequence[StepRow], view: LocalView) -> Finding | None:
+        criterion = Criterion(mode=self._config.mode, threshold=self._threshold(rows))
+        pairs = []
+        for ver in range(self.world_size):
+            src = self._ring.source_of(ver)
+            d = rows[ver].pair_distance
+            pairs.append(PairOutcome(source=src, verifier=ver, source_node=self._nodes[src].name,
+                                     verifier_node=self._nodes[ver].name, distance=d, agree=criterion.accepts(d)))
+        if all(p.agree for p in pairs):
+            return None
+        return resolve_replay(comm=self._comm, ring=self._ring, pairs=pairs, view=view, replay=self._replayer(s),
+                              criterion=criterion)
+
+    def _raise(self, s: int, findings: list[Finding]) -> NoReturn:
+        self._optimizer.zero_grad(set_to_none=True)
+        incident = self._reporter.build(s, findings, self.last_verified_step)
         self._reporter.write(incident)
         raise CorruptionDetected(incident)
 
     def _rebuild_buckets(self, batch: Any) -> None:
         """One synced backward, gradients discarded, so DDP settles its bucket layout."""
         self._needs_rebuild = False
-        with torch.random.fork_rng(devices=[]), running(self._next_step, "rebuild"), buffers_restored(self.module):
-            loss = self.loss_fn(self.model, batch)
-            loss.backward()
-        self.optimizer.zero_grad(set_to_none=True)
+        with torch.random.fork_rng(devices=[]), running(self._next_step, "rebuild"), buffers_restored(self._module):
+            loss = self._loss_fn(self._model, batch)
+            _backward(loss)
+        self._optimizer.zero_grad(set_to_none=True)
         self._health.reset()
+
+
+def _backward(loss: torch.Tensor) -> None:
+    loss.backward()  # type: ignore[no-untyped-call]  # torch's stubs leave Tensor.backward untyped
+
+
+def _identity(node: str | NodeIdentity | None, job_id: str | None) -> tuple[NodeIdentity, str]:
+    """This process's node and the job id; the environment is read only for what is not given."""
+    if node is None:
+        env = RuntimeInfo.from_env()
+        return env.node, job_id or env.job_id
+    identity = NodeIdentity(name=node) if isinstance(node, str) else node
+    if job_id is None:
+        return identity, RuntimeInfo.from_env().job_id
+    return identity, job_id or "local"

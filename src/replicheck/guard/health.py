@@ -5,6 +5,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import GradBucket  # torch's stubs do not re-export it from torch.distributed
 
 from replicheck import fingerprint as fp
 
@@ -32,17 +33,18 @@ class GradHealth:
         self._reduced: dict[int, torch.Tensor] = {}
 
     # -- DDP communication hook -------------------------------------------------------------
-    def comm_hook(self, state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    def comm_hook(self, state: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
         buf = bucket.buffer()
         # Squared norm: one streaming read; NaN and Inf propagate into it.
         self._local_sq.append(torch.linalg.vector_norm(buf, dtype=torch.float32).square())
         world = dist.get_world_size(self.group)
         buf.div_(world)
-        fut = dist.all_reduce(buf, group=self.group, async_op=True).get_future()
+        work = dist.all_reduce(buf, group=self.group, async_op=True)
+        fut: torch.futures.Future[list[torch.Tensor]] = work.get_future()
         index = bucket.index()
 
-        def after(f: "torch.futures.Future[Any]") -> torch.Tensor:
-            out: torch.Tensor = f.value()[0]
+        def after(f: "torch.futures.Future[list[torch.Tensor]]") -> torch.Tensor:
+            out = f.value()[0]
             for hook in self.reduced_hooks:
                 hook(index, out)
             if self.digest_reduced:

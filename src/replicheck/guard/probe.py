@@ -3,29 +3,23 @@
 from __future__ import annotations
 
 import contextlib
-import struct
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
 from replicheck import fingerprint as fp
-from replicheck.guard.context import Pass, running
+from replicheck.guard.config import Mode
+from replicheck.guard.context import PassName, running
+from replicheck.guard.wire import ProbePayload, ProbeResult, float_bits
 
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
+"""``loss_fn(module, batch)``: the scalar mean loss of ``batch``."""
 
 
 def probe_seed(base: int, step: int, rank: int) -> int:
     """The seed of ``rank``'s probe at ``step`` (any rank replaying it uses the same)."""
     return ((base * 1_000_003 + step) * 65_537 + rank) & 0x7FFF_FFFF_FFFF_FFFF
-
-
-def float_bits(x: float) -> int:
-    return struct.unpack("<q", struct.pack("<d", x))[0]
-
-
-def bits_float(x: int) -> float:
-    return struct.unpack("<d", struct.pack("<q", x))[0]
 
 
 @contextlib.contextmanager
@@ -68,28 +62,13 @@ def buffers_restored(module: torch.nn.Module) -> Iterator[None]:
 
 
 @dataclass(frozen=True)
-class ProbeResult:
-    """Loss and gradient fingerprint of one probe computation."""
-
-    loss: float
-    """The probe's loss (unweighted mean over the probe)."""
-    fingerprint: torch.Tensor
-    """int64 digests (exact mode) or float64 sketches (tolerant mode), one row per parameter."""
-
-    def to_wire(self) -> dict[str, Any]:
-        return {"loss": self.loss, "fingerprint": self.fingerprint}
-
-    @classmethod
-    def from_wire(cls, data: dict[str, Any]) -> ProbeResult:
-        return cls(loss=float(data["loss"]), fingerprint=data["fingerprint"])
-
-
-@dataclass(frozen=True)
 class Fingerprinter:
     """Turns gradients into a fingerprint in the job's mode."""
 
-    mode: str
+    mode: Mode
+    """Fingerprint kind: exact digests or tolerant sketches."""
     sketch_k: int
+    """Tolerant mode: projections per tensor."""
 
     def __call__(self, grads: Sequence[torch.Tensor | None], seed: int) -> torch.Tensor:
         if self.mode == "exact":
@@ -97,25 +76,64 @@ class Fingerprinter:
         return fp.sketches(grads, seed=seed, k=self.sketch_k)
 
 
-def replay(
-    module: torch.nn.Module,
-    loss_fn: LossFn,
-    batch: Any,
-    *,
-    weight: float,
-    seed: int,
-    params: Sequence[torch.nn.Parameter],
-    fingerprinter: Fingerprinter,
-    deterministic_kernels: bool,
-    step: int,
-    pass_: Pass = "replay",
-) -> ProbeResult:
-    """Recompute a probe on the bare module without touching ``.grad``, buffers or the main RNG."""
-    device = params[0].device if params else torch.device("cpu")
-    with running(step, pass_), seeded(seed, device), deterministic(deterministic_kernels), buffers_restored(module):
-        loss = loss_fn(module, batch)
-        grads = torch.autograd.grad(loss * weight, list(params), allow_unused=True)
-    return ProbeResult(loss=float(loss.detach()), fingerprint=fingerprinter(list(grads), seed))
+@dataclass(frozen=True)
+class BackwardPass:
+    """One backward pass of a step as it ran, so the failure path can repeat it."""
+
+    batch: Any
+    """The samples of the pass."""
+    weight: float
+    """Its share of the step's loss."""
+    seed: int | None
+    """The probe seed it ran under, or ``None`` for a training pass (unseeded)."""
+
+
+class Recompute:
+    """Re-runs on the bare module that touch no ``.grad``, no buffer and not the main RNG.
+
+    Holds what every re-run needs (module, loss function, parameters, fingerprint mode,
+    deterministic kernels), so the failure-path helpers get callables, not the guard.
+    """
+
+    def __init__(self, module: torch.nn.Module, loss_fn: LossFn, params: Sequence[torch.nn.Parameter],
+                 fingerprinter: Fingerprinter, deterministic_kernels: bool) -> None:
+        self._module = module
+        self._loss_fn = loss_fn
+        self._params = list(params)
+        self._fingerprinter = fingerprinter
+        self._deterministic = deterministic_kernels
+        self._device = self._params[0].device if self._params else torch.device("cpu")
+
+    def probe(self, batch: Any, *, weight: float, seed: int, step: int, pass_: PassName = "replay") -> ProbeResult:
+        """Loss and fingerprint of ``batch`` run as a probe under ``seed``."""
+        with running(step, pass_), seeded(seed, self._device), deterministic(self._deterministic), \
+                buffers_restored(self._module):
+            loss = self._loss_fn(self._module, batch)
+            grads = torch.autograd.grad(loss * weight, self._params, allow_unused=True)
+        return ProbeResult(loss=float(loss.detach()), fingerprint=self._fingerprinter(list(grads), seed))
+
+    def payload(self, payload: ProbePayload, step: int) -> ProbeResult:
+        """Replay a probe as its source sent it."""
+        return self.probe(payload.batch, weight=payload.weight, seed=payload.seed, step=step)
+
+    def gradient_norm(self, passes: Sequence[BackwardPass], step: int) -> float:
+        """The step's local gradient norm again, repeating its passes as they ran.
+
+        Probe passes run seeded (and deterministic when the job asks for it), training passes
+        unseeded, as in the step, so a fault that depends on the shape of a pass reproduces.
+        """
+        acc: list[torch.Tensor | None] = [None] * len(self._params)
+        with torch.random.fork_rng(devices=[]), running(step, "replay"):
+            for p in passes:
+                ctx = seeded(p.seed, self._device) if p.seed is not None else contextlib.nullcontext()
+                with ctx, deterministic(p.seed is not None and self._deterministic):
+                    loss = self._loss_fn(self._module, p.batch) * p.weight
+                    grads = torch.autograd.grad(loss, self._params, allow_unused=True)
+                acc = [a if g is None else (g if a is None else a + g) for a, g in zip(acc, grads)]
+        present = [g.float() for g in acc if g is not None]
+        if not present:
+            return 0.0
+        return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in present])))
 
 
 @dataclass(frozen=True)
@@ -130,7 +148,7 @@ class Comparison:
     """Indices of parameters whose fingerprints differ (exact) or exceed the threshold."""
 
 
-def compare(a: ProbeResult, b: ProbeResult, mode: str, threshold: float) -> Comparison:
+def compare(a: ProbeResult, b: ProbeResult, mode: Mode, threshold: float) -> Comparison:
     """Compare two results; in tolerant mode ``threshold`` decides ``differing``."""
     if mode == "exact":
         diff = (a.fingerprint != b.fingerprint).nonzero().flatten().tolist()
@@ -146,5 +164,5 @@ def compare(a: ProbeResult, b: ProbeResult, mode: str, threshold: float) -> Comp
     return Comparison(distance=worst, loss_equal=loss_dist <= threshold, differing=tuple(diff))
 
 
-def agrees(c: Comparison, mode: str, threshold: float) -> bool:
+def agrees(c: Comparison, mode: Mode, threshold: float) -> bool:
     return c.distance == 0.0 if mode == "exact" else c.distance <= threshold

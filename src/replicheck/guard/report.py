@@ -2,65 +2,79 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+from dataclasses import dataclass
+from typing import Any, Sequence
 
+from replicheck.guard.config import Mode
 from replicheck.guard.verdict import Finding, primary
 from replicheck.incident import (
     Incident,
+    NodeIdentity,
     Suspect,
     json_safe,
     make_incident_id,
     write_incident,
 )
 
-if TYPE_CHECKING:
-    from replicheck.guard.core import Guard
 
-
+@dataclass(frozen=True)
 class IncidentBuilder:
     """Builds the incident every rank holds identically, and lets one healthy rank write it."""
 
-    def __init__(self, guard: Guard) -> None:
-        self.guard = guard
+    job_id: str
+    """The job the incident belongs to."""
+    rank: int
+    """This process's rank."""
+    nodes: tuple[NodeIdentity, ...]
+    """Node of every rank, indexed by rank."""
+    param_names: tuple[str, ...]
+    """Names of the checked parameters (fingerprint rows are in this order)."""
+    ring: tuple[int, ...]
+    """The verification ring's rank order."""
+    mode: Mode
+    """The guard's comparison mode."""
+    incident_dir: str | None
+    """Where the incident is written, or ``None``."""
 
-    def build(self, step: int, findings: Sequence[Finding]) -> Incident:
-        g = self.guard
+    @property
+    def world_size(self) -> int:
+        return len(self.nodes)
+
+    def build(self, step: int, findings: Sequence[Finding], last_verified_step: int | None) -> Incident:
         main = primary(findings)
-        suspects = tuple(Suspect(rank=r, node=g.nodes[r]) for r in main.suspects)
-        candidates = tuple(Suspect(rank=r, node=g.nodes[r]) for r in main.candidates)
+        suspects = tuple(Suspect(rank=r, node=self.nodes[r]) for r in main.suspects)
+        candidates = tuple(Suspect(rank=r, node=self.nodes[r]) for r in main.candidates)
         names = [s.node.name for s in (suspects or candidates)]
         evidence: dict[str, Any] = {
             f.check: {**json_safe(f.evidence), "suspects": list(f.suspects), "candidates": list(f.candidates),
                       "classification": f.classification if f.suspects else "ambiguous"}
             for f in findings
         }
-        evidence["param_names"] = g.param_names
-        evidence["ring"] = list(g.ring.order)
-        evidence["mode"] = g.config.mode
+        evidence["param_names"] = list(self.param_names)
+        evidence["ring"] = list(self.ring)
+        evidence["mode"] = self.mode
         return Incident(
-            id=make_incident_id(g.job_id, step, main.check),
-            job_id=g.job_id,
+            id=make_incident_id(self.job_id, step, main.check),
+            job_id=self.job_id,
             step=step,
-            check=main.check,  # type: ignore[arg-type]
+            check=main.check,
             suspect_ranks=tuple(main.suspects),
             suspect_nodes=tuple(dict.fromkeys(names)),
-            classification=main.classification if main.suspects else "ambiguous",  # type: ignore[arg-type]
+            classification=main.classification if main.suspects else "ambiguous",
             suspects=suspects,
             candidates=candidates,
             evidence=evidence,
-            last_verified_step=g.last_verified_step,
-            world_size=g.world_size,
+            last_verified_step=last_verified_step,
+            world_size=self.world_size,
             checks_failed=tuple(f.check for f in findings),
         )
 
     def writer_rank(self, incident: Incident) -> int:
         """The lowest rank that is not a suspect: a faulty rank may write garbage."""
-        g = self.guard
         named = set(incident.suspect_ranks)
-        healthy = [r for r in range(g.world_size) if r not in named]
+        healthy = [r for r in range(self.world_size) if r not in named]
         return healthy[0] if healthy else 0
 
     def write(self, incident: Incident) -> None:
-        directory = self.guard.config.incident_dir
-        if directory is not None and self.guard.rank == self.writer_rank(incident):
-            write_incident(incident, directory)
+        if self.incident_dir is not None and self.rank == self.writer_rank(incident):
+            write_incident(incident, self.incident_dir)

@@ -6,19 +6,26 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from replicheck.incident import Check, Classification
+
 # Order in which failing checks are reported: the most direct evidence first.
-PRIORITY = ("gradients", "reduced_gradients", "weights", "optimizer_state", "replay")
+PRIORITY: tuple[Check, ...] = ("gradients", "reduced_gradients", "weights", "optimizer_state", "replay")
 
 
 @dataclass(frozen=True)
 class Finding:
     """One failed check: who it names, or who it could not tell apart."""
 
-    check: str
+    check: Check
+    """The check that failed."""
     suspects: tuple[int, ...] = ()
+    """Ranks the evidence names."""
     candidates: tuple[int, ...] = ()
-    classification: str = "ambiguous"
+    """Ranks the evidence could not tell apart (when it names nobody)."""
+    classification: Classification = "ambiguous"
+    """How the suspects' re-runs classify the fault."""
     evidence: dict[str, Any] = field(default_factory=dict)
+    """JSON-ready evidence recorded in the incident under ``check``."""
 
     @property
     def ambiguous(self) -> bool:
@@ -27,7 +34,7 @@ class Finding:
 
 @dataclass(frozen=True)
 class Vote:
-    """Outcome of comparing one value across replicas."""
+    """Result of comparing one value across replicas."""
 
     agree: bool
     """Every rank reported the same value."""

@@ -10,6 +10,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from replicheck import fingerprint as fp
+from replicheck.checkpoint.policy import Policy
 from replicheck.guard import CorruptionDetected, Guard, GuardConfig
 from replicheck.harness.launch import RankContext
 from replicheck.guard.modules import unwrap
@@ -53,7 +54,7 @@ class JobSpec:
     resume_incident: str | None = None
     """With ``resume``: the incident (JSON text or file path) to resume after; the resume point is
     then the newest checkpoint not after its last passing verification."""
-    resume_policy: str = "last_pass"
+    resume_policy: Policy = "last_pass"
     """With ``resume_incident``: ``last_pass`` or ``two_passes`` (intermittent faults)."""
     report_every: int = 0
     """Rank 0 prints step, loss and verification as it trains, every this many steps (0: silent)."""
@@ -106,7 +107,7 @@ def _checkpointing(spec: JobSpec, gcfg: GuardConfig, model: torch.nn.Module, opt
     store = CheckpointStore(spec.checkpoint_dir, keep=spec.checkpoint_keep)
     if not spec.resume or not store.directory.is_dir():
         return store, gcfg
-    point = store.resume_point(spec.resume_incident, policy=spec.resume_policy)  # type: ignore[arg-type]
+    point = store.resume_point(spec.resume_incident, policy=spec.resume_policy)
     if point is None:
         if spec.resume_incident is not None and ctx_rank == 0:
             store.retire_after(-1)  # none is clean: every checkpoint belongs to the abandoned run
@@ -152,7 +153,7 @@ def train(ctx: RankContext, spec: JobSpec) -> JobResult:
                     result.checkpoints.append(s)
         except CorruptionDetected as exc:
             result.incident = exc.incident.to_dict()
-    result.weights_digest = int(fp.combine(fp.digests(list(bare.parameters()))))
+    result.weights_digest = fp.model_digest(bare, "all")
     if spec.keep_state:
         result.state = {k: v.detach().clone() for k, v in bare.state_dict().items()}
     return result

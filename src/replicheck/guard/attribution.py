@@ -1,0 +1,184 @@
+"""Attribution on the failure path of a verification step: arbitration and re-runs, in lockstep.
+
+Every rank calls :func:`resolve_replay` with the same pair outcomes (they come from one
+all-gather), so every rank takes part in the same exchanges and reaches the same verdict.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from replicheck.guard.comm import Comm
+from replicheck.guard.config import Mode
+from replicheck.guard.probe import agrees, compare
+from replicheck.guard.ring import Ring
+from replicheck.guard.verdict import Finding, arbitrate, attribute_pairs
+from replicheck.guard.wire import ArbitrationRequest, ProbePayload, ProbeResult
+from replicheck.incident import Classification
+
+Replayer = Callable[[ProbePayload], ProbeResult]
+"""Replays a probe payload (as sent by its source) on this rank."""
+
+
+@dataclass(frozen=True)
+class Criterion:
+    """When two results of the same probe count as the same answer."""
+
+    mode: Mode
+    """``exact``: bit for bit; ``tolerant``: within ``threshold``."""
+    threshold: float
+    """Tolerant mode: the calibrated threshold (ignored in exact mode)."""
+
+    def accepts(self, distance: float) -> bool:
+        """Whether a pair's distance counts as agreement."""
+        return distance == 0.0 if self.mode == "exact" else distance <= self.threshold
+
+    def agree(self, a: ProbeResult, b: ProbeResult) -> bool:
+        return agrees(compare(a, b, self.mode, self.threshold), self.mode, self.threshold)
+
+
+@dataclass(frozen=True)
+class PairOutcome:
+    """One ring pair's comparison of the step, as every rank sees it."""
+
+    source: int
+    verifier: int
+    source_node: str
+    verifier_node: str
+    distance: float
+    agree: bool
+
+    def to_evidence(self) -> dict[str, Any]:
+        return {"source": self.source, "verifier": self.verifier, "source_node": self.source_node,
+                "verifier_node": self.verifier_node, "distance": self.distance, "agree": self.agree}
+
+
+@dataclass(frozen=True)
+class LocalView:
+    """What this rank knows of the step's probes."""
+
+    own: ProbePayload
+    """The payload this rank sent (its probe, seed and claimed result)."""
+    received: ProbePayload
+    """The payload this rank received from its source."""
+    replayed: ProbeResult
+    """This rank's replay of ``received``."""
+
+
+@dataclass(frozen=True)
+class _Arbitration:
+    """An arbiter's replay of a disputed probe, compared with both parties."""
+
+    source: int
+    verifier: int
+    arbiter: int
+    agrees_with_source: bool
+    agrees_with_verifier: bool
+
+    @property
+    def odd_one_out(self) -> int | None:
+        return arbitrate(self.agrees_with_source, self.agrees_with_verifier, self.source, self.verifier)
+
+    def to_evidence(self) -> dict[str, Any]:
+        return {"source": self.source, "verifier": self.verifier, "arbiter": self.arbiter,
+                "agrees_with_source": self.agrees_with_source, "agrees_with_verifier": self.agrees_with_verifier,
+                "odd_one_out": self.odd_one_out}
+
+
+@dataclass(frozen=True)
+class _Rerun:
+    """A suspect's recomputation of what it is blamed for."""
+
+    rank: int
+    rerun: str
+    same_answer: bool
+
+    @property
+    def classification(self) -> Classification:
+        return "persistent" if self.same_answer else "transient"
+
+    def to_evidence(self) -> dict[str, Any]:
+        return {"rank": self.rank, "rerun": self.rerun, "same_answer": self.same_answer,
+                "classification": self.classification}
+
+
+def resolve_replay(*, comm: Comm, ring: Ring, pairs: Sequence[PairOutcome], view: LocalView, replay: Replayer,
+                   criterion: Criterion) -> Finding:
+    """Name the rank behind failing pairs, arbitrating lone pairs, then classify the fault."""
+    failing = [(p.source, p.verifier) for p in pairs if not p.agree]
+    attribution = attribute_pairs(failing)
+    suspects = list(attribution.suspects)
+    tasks, unresolved = _arbiters(ring, attribution.unexplained)
+    arbitrations = _arbitrate(comm, tasks, view, replay, criterion) if tasks else []
+    for a in sorted(arbitrations, key=lambda a: (a.source, a.verifier)):
+        odd = a.odd_one_out
+        if odd is None:
+            unresolved.append((a.source, a.verifier))
+        elif odd not in suspects:
+            suspects.append(odd)
+    reruns = _classify(comm, suspects, {src for src, _ in failing}, view, replay, criterion)
+
+    candidates = sorted({r for pair in unresolved for r in pair})
+    evidence: dict[str, Any] = {
+        "pairs": [p.to_evidence() for p in pairs],
+        "arbitrations": [a.to_evidence() for a in arbitrations],
+        "reruns": [r.to_evidence() for r in reruns],
+        "threshold": criterion.threshold if criterion.mode == "tolerant" else None,
+    }
+    if not suspects:
+        return Finding(check="replay", candidates=tuple(candidates), evidence=evidence)
+    by_rank = {r.rank: r.classification for r in reruns}
+    suspects.sort()
+    if unresolved:
+        evidence["unresolved_pairs"] = [list(p) for p in unresolved]
+    return Finding(check="replay", suspects=tuple(suspects), candidates=tuple(candidates),
+                   classification=by_rank.get(suspects[0], "ambiguous"), evidence=evidence)
+
+
+def _arbiters(ring: Ring, unexplained: Sequence[tuple[int, int]]
+              ) -> tuple[list[tuple[int, int, int]], list[tuple[int, int]]]:
+    """A distinct arbiter for each unexplained pair where one exists: ``(tasks, pairs left)``."""
+    tasks: list[tuple[int, int, int]] = []
+    unresolved: list[tuple[int, int]] = []
+    busy: list[int] = []
+    for src, ver in unexplained:
+        arb = ring.arbiter_for(src, ver, busy=busy)
+        if arb is None:
+            unresolved.append((src, ver))
+        else:
+            tasks.append((src, ver, arb))
+            busy.append(arb)
+    return tasks, unresolved
+
+
+def _arbitrate(comm: Comm, tasks: Sequence[tuple[int, int, int]], view: LocalView, replay: Replayer,
+               criterion: Criterion) -> list[_Arbitration]:
+    """Each verifier forwards the disputed payload and its own replay to the pair's arbiter."""
+    rank = comm.rank
+    request = ArbitrationRequest(payload=view.received, verifier_result=view.replayed)
+    sends = [(arb, request.encode()) for _, ver, arb in tasks if ver == rank]
+    inbox = comm.exchange(sends, [ver for _, ver, arb in tasks if arb == rank])
+    mine = []
+    for src, ver, arb in tasks:
+        if arb != rank:
+            continue
+        msg = ArbitrationRequest.decode(inbox[ver])
+        result = replay(msg.payload)
+        mine.append(_Arbitration(source=src, verifier=ver, arbiter=arb,
+                                 agrees_with_source=criterion.agree(msg.payload.result, result),
+                                 agrees_with_verifier=criterion.agree(msg.verifier_result, result)))
+    return [a for reports in comm.gather_objects(mine) for a in reports]
+
+
+def _classify(comm: Comm, suspects: Sequence[int], sources: set[int], view: LocalView, replay: Replayer,
+              criterion: Criterion) -> list[_Rerun]:
+    """Each suspect recomputes what it is blamed for and compares with its first answer."""
+    mine: _Rerun | None = None
+    if comm.rank in suspects:
+        if comm.rank in sources:
+            again, first, what = replay(view.own), view.own.result, "own probe"
+        else:
+            again, first, what = replay(view.received), view.replayed, "replay of its source's probe"
+        mine = _Rerun(rank=comm.rank, rerun=what, same_answer=criterion.agree(first, again))
+    return [r for r in comm.gather_objects(mine) if r is not None]

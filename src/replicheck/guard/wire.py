@@ -1,0 +1,149 @@
+"""The data that crosses ranks during a step, each with one encode and one decode.
+
+* :class:`StepRow` — the int64 row every rank contributes to the step's single all-gather.
+* :class:`ProbePayload` — a probe as its source sends it to its verifier.
+* :class:`ArbitrationRequest` — a disputed probe and the verifier's replay, sent to an arbiter.
+
+Point-to-point messages travel through ``torch.save``/``torch.load(weights_only=True)``, so the
+encoded forms are tagged tuples of tensors, numbers and strings (plus the user's batch pytree).
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from replicheck.guard.errors import GuardError
+
+_PROBE_TAG = "replicheck.probe/1"
+_ARBITRATION_TAG = "replicheck.arbitration/1"
+
+
+class WireFormatError(GuardError):
+    """A message received from another rank does not have the expected shape."""
+
+
+def float_bits(x: float) -> int:
+    """The bits of a float64 as a signed 64-bit integer (so it rides in an int64 row)."""
+    bits: int = struct.unpack("<q", struct.pack("<d", x))[0]
+    return bits
+
+
+def bits_float(x: int) -> float:
+    """Inverse of :func:`float_bits`."""
+    value: float = struct.unpack("<d", struct.pack("<q", x))[0]
+    return value
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """Loss and gradient fingerprint of one probe computation."""
+
+    loss: float
+    """The probe's loss (unweighted mean over the probe)."""
+    fingerprint: torch.Tensor
+    """int64 digests (exact mode) or float64 sketches (tolerant mode), one row per parameter."""
+
+
+@dataclass(frozen=True)
+class ProbePayload:
+    """A rank's probe: what its verifier needs to replay it, and the result the source claims."""
+
+    step: int
+    """The step the probe belongs to."""
+    source: int
+    """The rank that computed it."""
+    batch: Any
+    """The probe's samples (a pytree of tensors)."""
+    weight: float
+    """Its share of the source's loss (probe samples / samples of the step)."""
+    seed: int
+    """The seed the probe ran under (every replay uses the same)."""
+    size: int
+    """Samples in the probe."""
+    result: ProbeResult
+    """The loss and fingerprint the source computed."""
+
+    def encode(self) -> tuple[object, ...]:
+        return (_PROBE_TAG, self.step, self.source, self.batch, self.weight, self.seed, self.size,
+                self.result.loss, self.result.fingerprint)
+
+    @classmethod
+    def decode(cls, wire: object) -> ProbePayload:
+        if not (isinstance(wire, tuple) and len(wire) == 9 and wire[0] == _PROBE_TAG):
+            raise WireFormatError(f"not a probe payload: {type(wire).__name__}")
+        _, step, source, batch, weight, seed, size, loss, fingerprint = wire
+        if not isinstance(fingerprint, torch.Tensor):
+            raise WireFormatError("probe payload without a fingerprint tensor")
+        return cls(step=int(step), source=int(source), batch=batch, weight=float(weight), seed=int(seed),
+                   size=int(size), result=ProbeResult(loss=float(loss), fingerprint=fingerprint))
+
+
+@dataclass(frozen=True)
+class ArbitrationRequest:
+    """A disputed probe, forwarded by its verifier to an arbiter with the verifier's replay."""
+
+    payload: ProbePayload
+    """The source's payload, as the verifier received it."""
+    verifier_result: ProbeResult
+    """What the verifier's replay of it gave."""
+
+    def encode(self) -> tuple[object, ...]:
+        return (_ARBITRATION_TAG, self.payload.encode(), self.verifier_result.loss,
+                self.verifier_result.fingerprint)
+
+    @classmethod
+    def decode(cls, wire: object) -> ArbitrationRequest:
+        if not (isinstance(wire, tuple) and len(wire) == 4 and wire[0] == _ARBITRATION_TAG):
+            raise WireFormatError(f"not an arbitration request: {type(wire).__name__}")
+        _, payload, loss, fingerprint = wire
+        if not isinstance(fingerprint, torch.Tensor):
+            raise WireFormatError("arbitration request without the verifier's fingerprint tensor")
+        return cls(payload=ProbePayload.decode(payload),
+                   verifier_result=ProbeResult(loss=float(loss), fingerprint=fingerprint))
+
+
+@dataclass(frozen=True)
+class StepRow:
+    """What one rank reports in the step's all-gather (floats travel as their bits)."""
+
+    loss: float
+    """The rank's loss for the step."""
+    local_norm: float
+    """Norm of the rank's local gradient before the all-reduce."""
+    reduced: int
+    """Digest of the all-reduced gradient (0 when not checked)."""
+    weights: int = 0
+    """Digest of the weights (on replica-check steps)."""
+    optimizer: int = 0
+    """Digest of the optimizer state (on replica-check steps)."""
+    verified: bool = False
+    """The rank replayed its source's probe this step."""
+    pair_distance: float = 0.0
+    """Distance between the source's claimed probe result and this rank's replay of it."""
+    noise: float = 0.0
+    """Replay-to-replay distance of this rank's own probe (tolerant-mode calibration)."""
+
+    WIDTH = 8
+    """Columns of the encoded row."""
+
+    def encode(self) -> torch.Tensor:
+        return torch.tensor(
+            [float_bits(self.local_norm), self.reduced, self.weights, self.optimizer, int(self.verified),
+             float_bits(self.pair_distance), float_bits(self.noise), float_bits(self.loss)],
+            dtype=torch.int64,
+        )
+
+    @classmethod
+    def decode(cls, rows: torch.Tensor) -> list[StepRow]:
+        """The rows of a ``(world, WIDTH)`` all-gather, indexed by rank."""
+        if rows.dim() != 2 or rows.shape[1] != cls.WIDTH:
+            raise WireFormatError(f"step rows must have shape (world, {cls.WIDTH}), got {tuple(rows.shape)}")
+        return [
+            cls(local_norm=bits_float(norm), reduced=reduced, weights=weights, optimizer=opt, verified=bool(verified),
+                pair_distance=bits_float(pair), noise=bits_float(noise), loss=bits_float(loss))
+            for norm, reduced, weights, opt, verified, pair, noise, loss in rows.tolist()
+        ]

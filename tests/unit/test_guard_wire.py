@@ -1,0 +1,76 @@
+"""The guard's wire formats and its failure-path helpers, without a process group."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from replicheck import fingerprint as fp
+from replicheck.guard.batch import pack, unpack
+from replicheck.guard.comm import Comm
+from replicheck.guard.replicas import gradient_finding
+from replicheck.guard.wire import (
+    ArbitrationRequest,
+    ProbePayload,
+    ProbeResult,
+    StepRow,
+    WireFormatError,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _payload() -> ProbePayload:
+    batch = {"tokens": torch.arange(6).reshape(2, 3)}
+    return ProbePayload(step=7, source=1, batch=batch, weight=0.25, seed=12345, size=2,
+                        result=ProbeResult(loss=1.5, fingerprint=torch.tensor([3, -4], dtype=torch.int64)))
+
+
+def test_probe_payload_survives_the_point_to_point_serialisation() -> None:
+    """A probe payload encoded, packed, unpacked (weights_only) and decoded equals the original."""
+    sent = _payload()
+    got = ArbitrationRequest.decode(unpack(pack(ArbitrationRequest(payload=sent, verifier_result=sent.result)
+                                                .encode()))).payload
+    assert (got.step, got.source, got.weight, got.seed, got.size) == (7, 1, 0.25, 12345, 2)
+    assert torch.equal(got.batch["tokens"], sent.batch["tokens"])
+    assert got.result.loss == 1.5 and torch.equal(got.result.fingerprint, sent.result.fingerprint)
+
+
+@pytest.mark.parametrize("wire", [None, {"step": 1}, ("replicheck.probe/1", 1, 2), ("other", 1, 2, 3, 4, 5, 6, 7, 8)])
+def test_malformed_probe_payload_raises_typed_error(wire: object) -> None:
+    """Anything that is not an encoded probe payload raises WireFormatError, not a KeyError."""
+    with pytest.raises(WireFormatError):
+        ProbePayload.decode(wire)
+
+
+def test_step_row_round_trips_every_column_bit_for_bit() -> None:
+    """A step row keeps floats (NaN, -0.0, inf included) and int64 digests exactly through its row."""
+    row = StepRow(loss=-0.0, local_norm=math.inf, reduced=-(1 << 63), weights=(1 << 63) - 1, optimizer=5,
+                  verified=True, pair_distance=float("nan"), noise=1e-300)
+    (back,) = StepRow.decode(torch.stack([row.encode()]))
+    assert math.copysign(1.0, back.loss) == -1.0 and back.local_norm == math.inf
+    assert (back.reduced, back.weights, back.optimizer, back.verified) == (-(1 << 63), (1 << 63) - 1, 5, True)
+    assert math.isnan(back.pair_distance) and back.noise == 1e-300
+
+
+def test_gradient_finding_classifies_from_the_rerun_callable() -> None:
+    """With world size 1 the gradient finding runs on a plain Comm: a clean re-run means transient."""
+    comm = Comm()
+    transient = gradient_finding(comm, [0], [math.nan], 1e9, rerun_norm=lambda: 2.0)
+    persistent = gradient_finding(comm, [0], [math.nan], 1e9, rerun_norm=lambda: math.inf)
+    assert (transient.suspects, transient.classification) == ((0,), "transient")
+    assert persistent.classification == "persistent"
+    assert transient.evidence["reruns"] == [{"rank": 0, "rerun_norm": 2.0, "classification": "transient"}]
+
+
+def test_live_and_saved_optimizer_state_digest_alike() -> None:
+    """The optimizer digest of a live optimizer equals the digest of its state_dict's state."""
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    assert fp.optimizer_digest(opt) == fp.optimizer_digest(opt.state_dict()["state"])
+    model.weight.requires_grad_(False)
+    assert fp.model_digest(model, "all") != fp.model_digest(model, "trainable")
