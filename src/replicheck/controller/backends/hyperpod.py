@@ -66,6 +66,10 @@ class HyperPodConfig:
             raise ConfigError("max_attempts must be >= 1")
 
 
+class NoSuchInstance(PermanentBackendError):
+    """No instance of the cluster has the given node name."""
+
+
 @dataclass
 class _Request:
     instance_id: str
@@ -110,7 +114,7 @@ class HyperPodBackend:
         validate_node_name(node)
         matches = [s for s in self.cluster_nodes() if node in _aliases(s)]
         if not matches:
-            raise PermanentBackendError(f"no instance of HyperPod cluster {self.cluster} matches {node!r}")
+            raise NoSuchInstance(f"no instance of HyperPod cluster {self.cluster} matches {node!r}")
         if len(matches) > 1:
             raise PermanentBackendError(f"{node!r} matches several instances: "
                                         f"{', '.join(sorted(s['InstanceId'] for s in matches))}")
@@ -157,23 +161,24 @@ class HyperPodBackend:
         verb = self.config.action
         try:
             summary = self.instance(node)
-        except PermanentBackendError as exc:
-            if "matches several" in str(exc) or key in self._requests:
-                raise
+        except NoSuchInstance as exc:
             # Replaced nodes are terminated: after a crash the old instance may be gone already.
             return {"detail": f"{node}: no such instance any more (already replaced?): {exc}"}
         iid, group = summary["InstanceId"], summary["InstanceGroupName"]
         status = summary["InstanceStatus"]["Status"]
-        self._requests.setdefault(key, _Request(iid, group, self._clock()))
         if status in _BUSY:
+            # Requested before (by us before a restart, or by someone else): when is unknown.
+            self._requests.setdefault(node, _Request(iid, group, None))
             return {"detail": f"{node} ({iid}) is {status}: a {verb} is already under way", "instance_id": iid}
+        # Remembered per node (await_return has its own key); the time bounds the replacement's launch.
+        self._requests[node] = _Request(iid, group, self._clock())
         failed = self.request([iid])
         if iid in failed:
             code, message = failed[iid]
             if code == "InstanceIdInUse":
                 return {"detail": f"{node} ({iid}): {verb} already under way ({message})", "instance_id": iid}
             error = TransientBackendError if code in ("InternalServerError", "InvalidInstanceStatus") else PermanentBackendError
-            self._requests.pop(key, None)
+            self._requests.pop(node, None)
             raise error(f"{verb} {node} ({iid}) failed: {code}: {message}")
         return {"detail": f"{verb} of {node} ({iid}) requested", "instance_id": iid}
 
@@ -192,14 +197,14 @@ class HyperPodBackend:
         return failed
 
     def await_return(self, node: str, key: str) -> Mapping[str, Any]:
-        req = self._requests.get(key)
+        req = self._requests.get(node)
         if req is None:
             try:
                 summary = self.instance(node)
-            except PermanentBackendError:
+            except NoSuchInstance:
                 return {"back": False, "replacement": None,
                         "detail": f"{node}'s instance is gone; its replacement is not known after a restart"}
-            req = self._requests[key] = _Request(summary["InstanceId"], summary["InstanceGroupName"], None)
+            req = self._requests[node] = _Request(summary["InstanceId"], summary["InstanceGroupName"], None)
         details = self._describe(req.instance_id)
         if details is None:
             return self._replacement(node, req)
