@@ -491,3 +491,26 @@ def test_missing_client_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setitem(sys.modules, "kubernetes", None)
     with pytest.raises(ImportError, match=r"replicheck\[kubernetes\]"):
         KubernetesBackend(KubernetesConfig(host="http://127.0.0.1:9"))
+
+
+def test_demo_plays_the_story_against_the_fake_server(tmp_path: Path) -> None:
+    """The documented kube_demo command runs to resumed, replacing n2 exactly once and printing the requests."""
+    import io
+
+    from replicheck.controller.backends import kube_demo
+
+    out = io.StringIO()
+    summary = kube_demo.play(tmp_path / "demo.db", out=out)
+    assert summary["state"] == "resumed" and summary["replace_patches"] == 1
+    text = out.getvalue()
+    assert "triaging -> awaiting_approval" in text and "n2 FAILED self-test" in text
+    assert "PATCH  /api/v1/nodes/n2  [application/merge-patch+json]" in text
+    assert "POST   /apis/batch/v1/namespaces/ml/jobs" in text
+
+
+def test_demo_command_exits_zero(capsys: pytest.CaptureFixture[str]) -> None:
+    """``python -m replicheck.controller.backends.kube_demo`` (its main) succeeds and ends with the final state line."""
+    from replicheck.controller.backends import kube_demo
+
+    assert kube_demo.main([]) == 0
+    assert "final state: resumed" in capsys.readouterr().out

@@ -250,7 +250,13 @@ class _Gone(Exception):
 
 def _guard(operation: str, fn: Any, not_found_ok: bool = False) -> Any:
     """Call ``fn``; botocore errors become temporary or permanent backend errors by code."""
-    from botocore.exceptions import BotoCoreError, ClientError, ConnectionError, HTTPClientError, ParamValidationError
+    from botocore.exceptions import (  # type: ignore[import-untyped, unused-ignore]
+        BotoCoreError,
+        ClientError,
+        ConnectionError,
+        HTTPClientError,
+        ParamValidationError,
+    )
 
     try:
         return fn()
@@ -272,8 +278,8 @@ def _guard(operation: str, fn: Any, not_found_ok: bool = False) -> Any:
 
 def _make_client(config: HyperPodConfig) -> Any:
     try:
-        import boto3
-        from botocore.config import Config
+        import boto3  # type: ignore[import-untyped, unused-ignore]
+        from botocore.config import Config  # type: ignore[import-untyped, unused-ignore]
     except ImportError as exc:
         raise ImportError(f"the hyperpod backend needs boto3: pip install 'replicheck[{EXTRA}]'") from exc
     session = boto3.session.Session(profile_name=config.profile, region_name=config.region)

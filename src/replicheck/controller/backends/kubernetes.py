@@ -161,7 +161,8 @@ class KubernetesBackend:
             if ANN_ADDED in ann:
                 return None, f"{name} already cordoned by replicheck ({ann.get(ANN_INCIDENT, '?')})"
             spec = obj.get("spec") or {}
-            added, patch_spec = [], {}
+            added: list[str] = []
+            patch_spec: dict[str, Any] = {}
             taints = list(spec.get("taints") or [])
             if not any(t.get("key") == self.config.taint_key for t in taints):
                 added.append("taint")
