@@ -42,8 +42,10 @@ def demo_incident() -> Incident:
                     last_verified_step=1000)
 
 
-def play(db: Path, *, show_bodies: bool = False, out: Any = sys.stdout) -> dict[str, Any]:
-    """Run the whole story; returns a summary (final state, request counts) for tests."""
+def play(db: Path, *, show_bodies: bool = False, out: Any = None) -> dict[str, Any]:
+    """Run the whole story, printing to ``out`` (default: stdout); returns a summary (final
+    state, request counts) for tests."""
+    out = out if out is not None else sys.stdout
     def fingerprint(job: dict[str, Any]) -> tuple[bool, str]:
         node = job["metadata"]["annotations"]["replicheck.io/node"]
         return True, json.dumps({"node": node, "fingerprint": "9f1c" if node == "n2" else "4ab0"})
