@@ -514,3 +514,17 @@ def test_demo_command_exits_zero(capsys: pytest.CaptureFixture[str]) -> None:
 
     assert kube_demo.main([]) == 0
     assert "final state: resumed" in capsys.readouterr().out
+
+
+def test_cli_runs_the_kubernetes_backend_from_the_config_file(server: FakeApiServer, tmp_path: Path) -> None:
+    """``replicheck controller run --config`` with backend = "kubernetes" cordons through the API."""
+    from replicheck.cli import main
+    from replicheck.incident import write_incident
+
+    config = tmp_path / "c.toml"
+    config.write_text(f'[controller]\nbackend = "kubernetes"\n[kubernetes]\nhost = "{server.url}"\n')
+    incident = write_incident(make_incident(nodes=("n2",)), tmp_path / "incidents")
+    db = str(tmp_path / "c.db")
+    assert main(["controller", "run", "--db", db, "--config", str(config), "--incident", str(incident),
+                 "--once", "--apply"]) == 0
+    assert server.node("n2")["spec"]["unschedulable"] is True
