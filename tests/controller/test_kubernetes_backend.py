@@ -528,3 +528,63 @@ def test_cli_runs_the_kubernetes_backend_from_the_config_file(server: FakeApiSer
     assert main(["controller", "run", "--db", db, "--config", str(config), "--incident", str(incident),
                  "--once", "--apply"]) == 0
     assert server.node("n2")["spec"]["unschedulable"] is True
+
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+
+
+def _rbac_allows(docs: list[dict[str, Any]], namespace: str | None, group: str, resource: str, verb: str) -> bool:
+    for doc in docs:
+        scoped = doc["kind"] == "Role"
+        if doc["kind"] not in ("Role", "ClusterRole") or (scoped and doc["metadata"]["namespace"] != namespace):
+            continue
+        for rule in doc["rules"]:
+            if group in rule["apiGroups"] and resource in rule["resources"] and verb in rule["verbs"]:
+                return True
+    return False
+
+
+def test_deploy_rbac_covers_every_request_the_demo_makes(tmp_path: Path) -> None:
+    """Every request of the demo story outside the training namespace is allowed by deploy/rbac.yaml, and nothing more is granted."""
+    import io
+    import re
+
+    import yaml
+
+    from replicheck.controller.backends import kube_demo
+
+    docs = [d for d in yaml.safe_load_all((DEPLOY / "rbac.yaml").read_text()) if d]
+    seen = kube_demo.play(tmp_path / "d.db", out=io.StringIO())["log"]
+    verbs = {"GET": "get", "PATCH": "patch", "POST": "create", "DELETE": "delete"}
+    needed = set()
+    for req in seen:
+        m = re.fullmatch(r"/apis?/(?:(batch)/)?v1/(?:namespaces/([^/]+)/)?([a-z]+)(?:/([^/]+))?(/log)?", req.path)
+        assert m, req.path
+        group, ns, resource, name, log = m.groups()
+        if ns == "ml":
+            continue  # the training namespace: the optional resume Role, commented out by default
+        verb = "list" if req.method == "GET" and name is None else verbs[req.method]
+        needed.add((ns, group or "", resource + ("/log" if log else ""), verb))
+    for ns, group, resource, verb in sorted(needed, key=str):
+        assert _rbac_allows(docs, ns, group, resource, verb), (ns, group, resource, verb)
+    granted = {(d["metadata"].get("namespace"), g, r, v) for d in docs if d["kind"] in ("Role", "ClusterRole")
+               for rule in d["rules"] for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]}
+    assert len(granted) == len(needed)
+
+
+def test_deploy_config_is_a_valid_controller_config(tmp_path: Path) -> None:
+    """The config.toml in deploy/controller.yaml loads and builds a kubernetes backend configuration."""
+    import yaml
+
+    from replicheck.controller.config import config_from_mapping
+    from replicheck.controller.wiring import load_settings
+
+    docs = [d for d in yaml.safe_load_all((DEPLOY / "controller.yaml").read_text()) if d]
+    (cm,) = [d for d in docs if d["kind"] == "ConfigMap"]
+    path = tmp_path / "config.toml"
+    path.write_text(cm["data"]["config.toml"])
+    settings = load_settings(path)
+    assert settings.backend == "kubernetes" and settings.controller.apply is False
+    assert config_from_mapping(settings.kubernetes, KubernetesConfig).remediation == "hyperpod-replace"
+    (deployment,) = [d for d in docs if d["kind"] == "Deployment"]
+    assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"]["type"] == "Recreate"

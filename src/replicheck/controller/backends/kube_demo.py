@@ -44,7 +44,7 @@ def demo_incident() -> Incident:
 
 def play(db: Path, *, show_bodies: bool = False, out: Any = None) -> dict[str, Any]:
     """Run the whole story, printing to ``out`` (default: stdout); returns a summary (final
-    state, request counts) for tests."""
+    state, request counts, every request) for tests."""
     out = out if out is not None else sys.stdout
     def fingerprint(job: dict[str, Any]) -> tuple[bool, str]:
         node = job["metadata"]["annotations"]["replicheck.io/node"]
@@ -87,7 +87,7 @@ def play(db: Path, *, show_bodies: bool = False, out: Any = None) -> dict[str, A
         for req in server.requests:
             counts[req.method] = counts.get(req.method, 0) + 1
         print(f"final state: {state.value}; requests: {json.dumps(counts, sort_keys=True)}", file=out)
-        return {"state": state.value, "requests": counts,
+        return {"state": state.value, "requests": counts, "log": list(server.requests),
                 "replace_patches": sum(1 for r in server.requests if r.method == "PATCH" and
                                        "UnschedulablePendingReplacement" in json.dumps(r.body))}
 
