@@ -588,3 +588,16 @@ def test_deploy_config_is_a_valid_controller_config(tmp_path: Path) -> None:
     assert config_from_mapping(settings.kubernetes, KubernetesConfig).remediation == "hyperpod-replace"
     (deployment,) = [d for d in docs if d["kind"] == "Deployment"]
     assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"]["type"] == "Recreate"
+
+
+def test_new_backends_never_import_torch(server: FakeApiServer) -> None:
+    """Importing both backends and using the kubernetes one in a fresh interpreter leaves torch unimported."""
+    import subprocess
+
+    code = ("import sys\n"
+            "from replicheck.controller.backends.kubernetes import KubernetesBackend, KubernetesConfig\n"
+            "import replicheck.controller.backends.hyperpod, replicheck.controller.backends.kube_demo\n"
+            f"KubernetesBackend(KubernetesConfig(host={server.url!r})).list_nodes()\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr

@@ -65,7 +65,7 @@ class KubernetesConfig:
     """Key of the NoSchedule taint our cordon adds."""
     partition_label: str | None = "sagemaker.amazonaws.com/instance-group-name"
     """Node label whose value groups nodes for the never-the-last-node rule; nodes without it
-    (or None here) form one group, ``cluster``."""
+    (or None / "" here) form one group, ``cluster``."""
     remediation: str = "hyperpod-replace"
     """``hyperpod-replace`` / ``hyperpod-reboot`` (HyperPod health label), ``label`` or
     ``annotation`` (remediation_key=remediation_value for an external remediator), ``none``."""
@@ -83,7 +83,7 @@ class KubernetesConfig:
     triage_command: tuple[str, ...] = ("replicheck", "selftest", "--json", "--device", "cuda")
     """Container command; ``--node <node>`` is appended. Its last output line must be the JSON."""
     triage_gpu_resource: str | None = "nvidia.com/gpu"
-    """Extended resource requested (1) by the self-test pod; None requests none."""
+    """Extended resource requested (1) by the self-test pod; None or "" requests none."""
     triage_service_account: str | None = None
     """Service account of the self-test pod (None: the namespace default)."""
     triage_timeout_s: int = 600
