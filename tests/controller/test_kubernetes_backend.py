@@ -221,15 +221,40 @@ def test_replace_none_changes_nothing(server: FakeApiServer) -> None:
     assert server.requests == []
 
 
-def test_await_return_waits_for_hyperpod(server: FakeApiServer) -> None:
-    """While the health label says pending, await_return is NotYet; a removed node is done and not back."""
-    b = backend(server)
+def test_await_return_waits_for_hyperpod(server: FakeApiServer, clock: Clock) -> None:
+    """Pending health label: NotYet; old node removed: NotYet until a new Ready node of its group joins, which is the replacement."""
+    b = backend(server, clock)
     b.replace("n2", "i:replace:n2")
     with pytest.raises(NotYet, match="UnschedulablePendingReplacement"):
         b.await_return("n2", "i:await_return:n2")
     server.remove_node("n2")
+    with pytest.raises(NotYet, match="waiting for its replacement to join workers"):
+        b.await_return("n2", "i:await_return:n2")
+    clock.advance(120)
+    server.add_node(make_node("n9", group="other"))
+    server.add_node(make_node("n7", group="workers"))
     result = b.await_return("n2", "i:await_return:n2")
-    assert result["back"] is False and "removed" in result["detail"]
+    assert (result["back"], result["replacement"]) == (False, "n7")
+
+
+def test_restarted_controller_learns_the_request_from_the_node(server: FakeApiServer, clock: Clock) -> None:
+    """A fresh backend reads the request time from the node's annotation and still finds the replacement."""
+    backend(server, clock).replace("n2", "i:replace:n2")
+    restarted = backend(server, clock)
+    with pytest.raises(NotYet):
+        restarted.await_return("n2", "i:await_return:n2")
+    server.remove_node("n2")
+    clock.advance(60)
+    server.add_node(make_node("n7", group="workers"))
+    assert restarted.await_return("n2", "i:await_return:n2")["replacement"] == "n7"
+
+
+def test_node_gone_before_restart_is_not_back(server: FakeApiServer) -> None:
+    """If the old node vanished while no controller watched, it is reported not back (excluded), without waiting."""
+    backend(server).replace("n2", "i:replace:n2")
+    server.remove_node("n2")
+    result = backend(server).await_return("n2", "i:await_return:n2")
+    assert (result["back"], result["replacement"]) == (False, None)
 
 
 def test_rebooted_node_comes_back_and_our_cordon_is_lifted(server: FakeApiServer) -> None:
@@ -423,9 +448,10 @@ def test_controller_plays_the_story_and_never_replaces_twice(server: FakeApiServ
     (replace,) = [a for a in ctl.store.actions(inc.id) if a.kind.value == "replace"]
     assert replace.status == "done" and "already requested" in str(replace.result)
     server.remove_node("n2")  # HyperPod terminates the instance; a new node joins under a new name
-    server.add_node(make_node("n4", group="workers"))
     clock.advance(10)
+    server.add_node(make_node("n4", group="workers"))
     assert [t.to_state for t in ctl.reconcile()] == [State.REPLACED, State.RESUMED]
+    assert ctl.store.get_record(inc.id).returned == (("n2", False, "n4"),)
     assert health_patches(server) == 1 and server.count("PATCH") == 2
     assert ctl.reconcile() == [] and server.count("PATCH") == 2
     ctl.close()

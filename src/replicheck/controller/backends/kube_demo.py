@@ -12,6 +12,7 @@ it for n5, and the training Job is re-created from the recommended checkpoint.
 from __future__ import annotations
 
 import argparse
+import datetime as _dt
 import json
 import sys
 import tempfile
@@ -50,12 +51,17 @@ def play(db: Path, *, show_bodies: bool = False, out: Any = None) -> dict[str, A
         node = job["metadata"]["annotations"]["replicheck.io/node"]
         return True, json.dumps({"node": node, "fingerprint": "9f1c" if node == "n2" else "4ab0"})
 
-    with FakeApiServer(job_runner=fingerprint) as server:
+    now = [_dt.datetime.now(_dt.timezone.utc)]
+
+    def clock() -> _dt.datetime:
+        return now[0]
+
+    with FakeApiServer(job_runner=fingerprint, clock=clock) as server:
         for name in ("n1", "n2", "n3", "n4"):
             server.add_node(make_node(name, group="workers"))
         server.add_job("ml", TRAINING_JOB)
         backend = KubernetesBackend(KubernetesConfig(host=server.url, resume_mode="recreate",
-                                                     triage_image="replicheck:demo"))
+                                                     triage_image="replicheck:demo"), clock=clock)
         config = ControllerConfig(apply=True, return_poll_s=0, poll_interval_s=0)
         shown = 0
 
@@ -69,7 +75,7 @@ def play(db: Path, *, show_bodies: bool = False, out: Any = None) -> dict[str, A
             flush()
             print(f"  {t.from_state.value} -> {t.to_state.value}: {t.reason}", file=out)
 
-        with Controller(db, backend=backend, config=config, on_transition=said) as ctl:
+        with Controller(db, backend=backend, config=config, on_transition=said, clock=clock) as ctl:
             incident = demo_incident()
             print(f"incident {incident.id}: {incident.classification}, nodes {', '.join(incident.suspect_nodes)}",
                   file=out)
@@ -78,7 +84,8 @@ def play(db: Path, *, show_bodies: bool = False, out: Any = None) -> dict[str, A
             print("approve (alice)", file=out)
             ctl.approve(incident.id, by="alice")
             _settle(ctl, incident.id, flush)
-            print("HyperPod replaces n2 with n5", file=out)
+            print("HyperPod replaces n2 with n5 (a minute later)", file=out)
+            now[0] += _dt.timedelta(seconds=60)
             server.remove_node("n2")
             server.add_node(make_node("n5", group="workers"))
             _settle(ctl, incident.id, flush)

@@ -75,8 +75,7 @@ def make_node(name: str, *, group: str | None = None, ready: bool = True, hostna
         spec["taints"] = list(taints)
     return {
         "apiVersion": "v1", "kind": "Node",
-        "metadata": {"name": name, "uid": f"uid-{name}", "labels": node_labels, "annotations": {},
-                     "creationTimestamp": "2025-01-01T00:00:00Z"},
+        "metadata": {"name": name, "uid": f"uid-{name}", "labels": node_labels, "annotations": {}},
         "spec": spec,
         "status": {"conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
                    "addresses": addresses},
@@ -143,6 +142,7 @@ class FakeApiServer:
             self.cluster.version += 1
             node = copy.deepcopy(node)
             node["metadata"]["resourceVersion"] = str(self.cluster.version)
+            node["metadata"].setdefault("creationTimestamp", _stamp(self.clock()))
             self.cluster.nodes[node["metadata"]["name"]] = node
 
     def node(self, name: str) -> dict[str, Any]:
@@ -284,7 +284,7 @@ class FakeApiServer:
         job = copy.deepcopy(job)
         self.cluster.version += 1
         job["metadata"].update(namespace=namespace, uid=f"uid-job-{name}", resourceVersion=str(self.cluster.version),
-                               creationTimestamp=self.clock().strftime("%Y-%m-%dT%H:%M:%SZ"))
+                               creationTimestamp=_stamp(self.clock()))
         job["status"] = {"active": 1}
         self.cluster.jobs[(namespace, name)] = job
         self._polls[(namespace, name)] = self.job_polls_until_done
@@ -359,6 +359,11 @@ class FakeApiServer:
 _REASONS = {400: "BadRequest", 401: "Unauthorized", 403: "Forbidden", 404: "NotFound", 409: "Conflict",
             422: "Invalid", 429: "TooManyRequests", 500: "InternalError", 503: "ServiceUnavailable",
             504: "Timeout"}
+
+
+def _stamp(when: _dt.datetime) -> str:
+    """The API server's timestamp format: RFC 3339, whole seconds, UTC."""
+    return when.astimezone(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _status(code: int, reason: str, message: str) -> tuple[int, Any]:

@@ -124,6 +124,7 @@ class KubernetesBackend:
         self.api = KubeApi(api_client if api_client is not None else _api_client(self.config),
                            self.config.request_timeout_s)
         self._clock = clock or (lambda: _dt.datetime.now(_dt.timezone.utc))
+        self._requested: dict[str, tuple[str, _dt.datetime]] = {}
 
     # --- observation ------------------------------------------------------------------------
 
@@ -201,10 +202,13 @@ class KubernetesBackend:
             name, marker = _name(obj), _label_safe(key)
             where, rkey, value = self._remediation()
             if _meta(obj, "annotations").get(ANN_REPLACE_KEY) == marker:
+                self._remember(node, obj)
                 return None, f"{name}: replacement already requested by this action"
             if _meta(obj, where).get(rkey) == value:
                 return None, f"{name} already has {rkey}={value}"
-            meta: dict[str, Any] = {"annotations": {ANN_REPLACE_KEY: marker, ANN_REPLACE_AT: utc_iso_us(self._clock())}}
+            at = self._clock()
+            self._requested[node] = (self._group(obj), at)
+            meta: dict[str, Any] = {"annotations": {ANN_REPLACE_KEY: marker, ANN_REPLACE_AT: utc_iso_us(at)}}
             meta.setdefault(where, {})[rkey] = value
             return {"metadata": meta}, f"set {rkey}={value} on {name}"
 
@@ -219,10 +223,9 @@ class KubernetesBackend:
         try:
             obj = self.node(node)
         except KubeNotFound:
-            return {"back": False, "replacement": None,
-                    "detail": f"{node} was removed; its replacement joins under a new name and the "
-                              "training pods schedule there"}
+            return self._replacement(node)
         name, ann = _name(obj), _meta(obj, "annotations")
+        self._remember(node, obj)
         where, rkey, value = self._remediation()
         now = _meta(obj, where).get(rkey, "")
         if now == value or (rkey == HEALTH_LABEL and now.startswith("Unschedulable")):
@@ -234,6 +237,28 @@ class KubernetesBackend:
             # the node takes work again; a new object carries none of our marks.
             self._patch_node(name, lambda o: (_uncordon_patch(o, self.config.taint_key, replace_marks=True), "lifted"))
         return {"back": True, "replacement": None, "detail": f"{name} is Ready and schedulable"}
+
+    def _remember(self, node: str, obj: dict[str, Any]) -> None:
+        """Note the group and request time of a node we asked to replace (read back from its
+        annotation, so a restarted controller that sees the node once knows them too)."""
+        at = _parse_time(_meta(obj, "annotations").get(ANN_REPLACE_AT))
+        if at is not None:
+            self._requested[node] = (self._group(obj), at)
+
+    def _replacement(self, node: str) -> Mapping[str, Any]:
+        """The old Node is gone (HyperPod terminated the instance): wait for a new Ready node
+        of its group created after our request; it joins under a new name."""
+        seen = self._requested.get(node)
+        if seen is None:
+            return {"back": False, "replacement": None,
+                    "detail": f"{node} was removed; its replacement is not known (controller restarted)"}
+        group, at = seen
+        fresh = [n for n in self.api.list_nodes() if self._group(n) == group and _ready(n)
+                 and (_parse_time(n["metadata"].get("creationTimestamp")) or at) > at and self._info(n).schedulable]
+        if not fresh:
+            raise NotYet(f"{node} was removed; waiting for its replacement to join {group}")
+        new = _name(max(fresh, key=lambda n: str(n["metadata"].get("creationTimestamp"))))
+        return {"back": False, "replacement": new, "detail": f"{node} replaced by {new}"}
 
     def _remediation(self) -> tuple[str, str, str]:
         mode = self.config.remediation
@@ -361,6 +386,13 @@ def _meta(obj: Mapping[str, Any], part: str) -> dict[str, str]:
 def _ready(obj: Mapping[str, Any]) -> bool:
     conditions = (obj.get("status") or {}).get("conditions") or []
     return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+
+
+def _parse_time(text: Any) -> _dt.datetime | None:
+    try:
+        return _dt.datetime.fromisoformat(str(text).replace("Z", "+00:00")) if text else None
+    except ValueError:
+        return None
 
 
 def _incident_of(key: str) -> str:
