@@ -342,3 +342,25 @@ def test_restart_after_instance_is_gone_sends_nothing(sm: tuple[Any, Stubber]) -
     expect_list(stub, summary(OTHER, "10.0.0.1"))
     result = hp(client).await_return("ip-10-0-0-2", "k:await_return")
     assert result["back"] is False and result["replacement"] is None
+
+
+def test_replacement_not_back_by_the_deadline_is_excluded(sm: tuple[Any, Stubber], tmp_path: Path) -> None:
+    """DescribeClusterNode polled through the controller: past return_timeout_s the node counts as not back and the job resumes."""
+    client, stub = sm
+    clock = Clock()
+    config = ControllerConfig(apply=True, auto_approve=True, return_poll_s=5, return_timeout_s=30)
+    inc = make_incident(nodes=("ip-10-0-0-2",))
+    for _ in range(4):
+        two_pages(stub)
+    stub.add_response("batch_replace_cluster_nodes", {"Successful": [OLD]}, {"ClusterName": CLUSTER, "NodeIds": [OLD]})
+    describe(stub, "ShuttingDown")
+    ctl = Controller(tmp_path / "c.db", backend=hp(client, clock), config=config, clock=clock)
+    ctl.ingest(inc)
+    ctl.reconcile()
+    assert ctl.store.get_record(inc.id).state is State.REPLACING
+    stub.assert_no_pending_responses()
+    clock.advance(31)
+    describe(stub, "ShuttingDown")
+    assert [t.to_state for t in ctl.reconcile()] == [State.REPLACED, State.RESUMED]
+    assert ctl.store.get_record(inc.id).returned == (("ip-10-0-0-2", False, None),)
+    ctl.close()
