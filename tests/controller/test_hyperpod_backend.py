@@ -364,3 +364,11 @@ def test_replacement_not_back_by_the_deadline_is_excluded(sm: tuple[Any, Stubber
     assert [t.to_state for t in ctl.reconcile()] == [State.REPLACED, State.RESUMED]
     assert ctl.store.get_record(inc.id).returned == (("ip-10-0-0-2", False, None),)
     ctl.close()
+
+
+def test_last_node_rule_without_orchestrator_uses_instance_groups(sm: tuple[Any, Stubber]) -> None:
+    """With no orchestrator the Running instances of the node's group are its schedulable nodes, under the caller's name."""
+    client, stub = sm
+    two_pages(stub)
+    two_pages(stub)
+    assert hp(client).schedulable_by_partition(OLD) == {"workers": ["ip-10-0-0-1", OLD]}

@@ -481,6 +481,19 @@ def test_last_schedulable_node_is_not_cordoned(server: FakeApiServer, clock: Clo
     ctl.close()
 
 
+def test_last_node_rule_sees_through_host_names(server: FakeApiServer, clock: Clock, tmp_path: Path) -> None:
+    """An incident naming the last schedulable node by its DNS host name is not cordoned either."""
+    for other in ("n1", "n3"):
+        server.edit_node(other, lambda n: n["spec"].update(unschedulable=True))
+    assert backend(server).schedulable_by_partition("ip-10-0-0-2") == {"workers": ["ip-10-0-0-2"]}
+    ctl = Controller(tmp_path / "c.db", backend=backend(server, clock), config=ControllerConfig(apply=True),
+                     clock=clock)
+    ctl.ingest(make_incident(nodes=("ip-10-0-0-2",)))
+    ctl.reconcile()
+    assert patches(server) == []
+    ctl.close()
+
+
 def test_blast_radius_allows_one_replacement(server: FakeApiServer, clock: Clock, tmp_path: Path) -> None:
     """With max_replacements=1, two approved incidents lead to one health-label patch; the second waits."""
     ctl = Controller(tmp_path / "c.db", backend=backend(server, clock),

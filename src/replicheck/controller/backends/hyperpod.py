@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import datetime as _dt
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from replicheck.controller.backends.base import Backend, NodeInfo, ResumeRequest, validate_node_name
 from replicheck.controller.errors import ConfigError, NotYet, PermanentBackendError, TransientBackendError
@@ -84,7 +84,8 @@ class HyperPodBackend:
     name = "hyperpod"
 
     def __init__(self, config: HyperPodConfig, client: Any = None, orchestrator: Backend | None = None,
-                 clock: Any = None) -> None:
+                 clock: Callable[[], _dt.datetime] | None = None) -> None:
+        """``client``: a boto3 ``sagemaker`` client (default: built from ``config``)."""
         if not config.cluster_name:
             raise ConfigError("the hyperpod backend needs cluster_name ([hyperpod] cluster_name = ...)")
         self.config = config
@@ -128,8 +129,11 @@ class HyperPodBackend:
     def schedulable_by_partition(self, node: str) -> Mapping[str, Sequence[str]]:
         if self._orchestrator is not None:
             return self._orchestrator.schedulable_by_partition(node)
-        group = self.instance(node)["InstanceGroupName"]
-        return {group: [i.name for i in self.list_nodes() if group in i.partitions and i.schedulable]}
+        mine = self.instance(node)
+        group, iid = mine["InstanceGroupName"], mine["InstanceId"]
+        # The node under the caller's name (it may be an alias), so the last-node rule sees it.
+        return {group: [node if i.extra.get("instance_id") == iid else i.name for i in self.list_nodes()
+                        if group in i.partitions and i.schedulable]}
 
     # --- delegated to the orchestrator ------------------------------------------------------
 

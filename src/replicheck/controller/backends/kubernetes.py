@@ -14,7 +14,7 @@ from __future__ import annotations
 import datetime as _dt
 import hashlib
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from replicheck.controller.backends import kube_triage
 from replicheck.controller.backends.base import NodeInfo, ResumeRequest, validate_node_name
@@ -119,7 +119,8 @@ class KubernetesBackend:
     name = "kubernetes"
 
     def __init__(self, config: KubernetesConfig | None = None, api_client: Any = None,
-                 clock: Any = None) -> None:
+                 clock: Callable[[], _dt.datetime] | None = None) -> None:
+        """``api_client``: a ``kubernetes.client.ApiClient`` (default: built from ``config``)."""
         self.config = config or KubernetesConfig()
         self.api = KubeApi(api_client if api_client is not None else _api_client(self.config),
                            self.config.request_timeout_s)
@@ -150,9 +151,12 @@ class KubernetesBackend:
         return sorted((self._info(n) for n in self.api.list_nodes()), key=lambda i: i.name)
 
     def schedulable_by_partition(self, node: str) -> Mapping[str, Sequence[str]]:
-        mine = self._group(self.node(node))
-        infos = self.list_nodes()
-        return {mine: [i.name for i in infos if mine in i.partitions and i.schedulable]}
+        obj = self.node(node)
+        mine, resolved = self._group(obj), _name(obj)
+        # Report the node under the name the caller used (a host name may stand for it), so
+        # the last-node rule recognises it.
+        return {mine: [node if i.name == resolved else i.name for i in self.list_nodes()
+                       if mine in i.partitions and i.schedulable]}
 
     # --- node actions -----------------------------------------------------------------------
 
@@ -269,7 +273,8 @@ class KubernetesBackend:
         where = "labels" if mode == "label" else "annotations"
         return where, self.config.remediation_key, self.config.remediation_value
 
-    def _patch_node(self, node: str, change: Any) -> Mapping[str, Any]:
+    def _patch_node(self, node: str, change: Callable[[dict[str, Any]], tuple[dict[str, Any] | None, str]]
+                    ) -> Mapping[str, Any]:
         """Read, compute a patch, send it conditional on the read's resourceVersion; on 409 repeat."""
         last: KubeConflict | None = None
         for _ in range(self.config.conflict_retries):
