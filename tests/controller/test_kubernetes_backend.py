@@ -526,10 +526,25 @@ def test_config_is_loaded_from_toml_and_validated(server: FakeApiServer, tmp_pat
 
 
 def test_missing_client_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Without the kubernetes package the error says which extra to install."""
+    """Without the kubernetes package the error (an ImportError and a ConfigError) says which extra to install."""
     monkeypatch.setitem(sys.modules, "kubernetes", None)
-    with pytest.raises(ImportError, match=r"replicheck\[kubernetes\]"):
+    with pytest.raises(ImportError, match=r"replicheck\[kubernetes\]") as info:
         KubernetesBackend(KubernetesConfig(host="http://127.0.0.1:9"))
+    assert isinstance(info.value, ConfigError)
+
+
+def test_cli_reports_a_missing_client_in_one_line(tmp_path: Path) -> None:
+    """``controller run`` with the kubernetes backend but no client installed exits 2 with one line naming the extra."""
+    import subprocess
+
+    config = tmp_path / "c.toml"
+    config.write_text('[controller]\nbackend = "kubernetes"\n')
+    code = ("import sys; sys.modules['kubernetes'] = None\n"
+            "from replicheck.cli import main\n"
+            f"sys.exit(main(['controller', 'run', '--db', {str(tmp_path / 'c.db')!r}, '--config', {str(config)!r}, '--once']))\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and run.stderr.strip().count("\n") == 0
+    assert "pip install 'replicheck[kubernetes]'" in run.stderr
 
 
 def test_demo_plays_the_story_against_the_fake_server(tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 from replicheck.controller.backends.base import Backend, NodeInfo, ResumeRequest, validate_node_name
+from replicheck.controller.backends.extras import missing_extra
 from replicheck.controller.errors import ConfigError, NotYet, PermanentBackendError, TransientBackendError
 
 EXTRA = "hyperpod"
@@ -285,7 +286,7 @@ def _make_client(config: HyperPodConfig) -> Any:
         import boto3  # type: ignore[import-untyped, unused-ignore]
         from botocore.config import Config  # type: ignore[import-untyped, unused-ignore]
     except ImportError as exc:
-        raise ImportError(f"the hyperpod backend needs boto3: pip install 'replicheck[{EXTRA}]'") from exc
+        raise missing_extra("hyperpod backend", "boto3", EXTRA) from exc
     session = boto3.session.Session(profile_name=config.profile, region_name=config.region)
     return session.client("sagemaker", config=Config(retries={"max_attempts": config.max_attempts,
                                                                "mode": "standard"}))

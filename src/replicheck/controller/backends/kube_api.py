@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any, Callable
 
+from replicheck.controller.backends.extras import missing_extra
 from replicheck.controller.errors import PermanentBackendError, TransientBackendError
 
 MERGE_PATCH = "application/merge-patch+json"
@@ -31,9 +32,7 @@ def import_client() -> Any:
     try:
         import kubernetes
     except ImportError as exc:
-        raise ImportError(
-            "the kubernetes backend needs the official Kubernetes client: "
-            f"pip install 'replicheck[{EXTRA}]'") from exc
+        raise missing_extra("kubernetes backend", "kubernetes", EXTRA) from exc
     return kubernetes
 
 
