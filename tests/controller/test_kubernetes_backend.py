@@ -655,3 +655,26 @@ def test_new_backends_never_import_torch(server: FakeApiServer) -> None:
             "assert 'torch' not in sys.modules, 'torch was imported'\n")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr
+
+
+@pytest.mark.timeout(180)
+def test_selftest_job_runs_the_real_selftest_command(server: FakeApiServer) -> None:
+    """The fake Job runs the Job's own container command (the real ``replicheck selftest``, on CPU); the backend reads its output."""
+    import subprocess
+
+    def run_container(job: dict[str, Any]) -> tuple[bool, str]:
+        (container,) = job["spec"]["template"]["spec"]["containers"]
+        argv = [sys.executable, "-m", "replicheck", *container["command"][1:]]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=150)
+        return done.returncode == 0, done.stdout + done.stderr
+
+    server.job_polls_until_done = 0
+    server.job_runner = run_container
+    b = backend(server, triage_command=("replicheck", "selftest", "--json", "--device", "cpu", "--steps", "1"),
+                triage_gpu_resource="")
+    with pytest.raises(NotYet):
+        b.selftest("n2", "i:selftest:n2")
+    result = b.selftest("n2", "i:selftest:n2")
+    assert result["passed"] is True and len(str(result["fingerprint"])) >= 8
+    (post, _) = [r for r in server.requests if r.method == "POST"]
+    assert "resources" not in post.body["spec"]["template"]["spec"]["containers"][0]
