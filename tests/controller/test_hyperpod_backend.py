@@ -372,3 +372,17 @@ def test_last_node_rule_without_orchestrator_uses_instance_groups(sm: tuple[Any,
     two_pages(stub)
     two_pages(stub)
     assert hp(client).schedulable_by_partition(OLD) == {"workers": ["ip-10-0-0-1", OLD]}
+
+
+def test_dry_run_calls_nothing(sm: tuple[Any, Stubber], tmp_path: Path) -> None:
+    """With the default dry-run the controller makes no HyperPod call at all (any call would fail the Stubber)."""
+    client, stub = sm
+    ctl = Controller(tmp_path / "c.db", backend=hp(client, Clock()), config=ControllerConfig(auto_approve=True),
+                     clock=Clock())
+    inc = make_incident(nodes=("ip-10-0-0-2",))
+    ctl.ingest(inc)
+    ctl.reconcile()
+    (cordon,) = ctl.store.actions(inc.id)
+    assert cordon.status == "pending" and "dry-run" in str(cordon.last_error)
+    assert ctl.store.get_record(inc.id).state is State.DETECTED
+    ctl.close()
