@@ -24,7 +24,7 @@ class Settings:
     """Everything ``replicheck controller run`` needs."""
 
     backend: str = "local"
-    """Which backend: local or slurm."""
+    """Which backend: local, slurm, kubernetes or hyperpod."""
     controller: ControllerConfig = dataclasses.field(default_factory=ControllerConfig)
     """The controller's policy."""
     slurm: Mapping[str, Any] = dataclasses.field(default_factory=dict)

@@ -162,7 +162,8 @@ class FakeApiServer:
 
     def fail(self, method: str, path_regex: str, status: int, times: int = 1,
              before: Callable[[], None] | None = None) -> None:
-        """Answer the next ``times`` matching requests with ``status`` (``before`` runs first)."""
+        """Answer the next ``times`` matching requests with ``status``; ``before`` runs first
+        (with status 0 the request is then served normally: a concurrent change, for example)."""
         with self._lock:
             self._faults.append(_Fault(method, re.compile(path_regex), status, times, before))
 
