@@ -106,7 +106,8 @@ def config_from_mapping(data: Mapping[str, Any], cls: type[Any] = ControllerConf
 
 
 def load_config_file(path: str | Path) -> dict[str, Any]:
-    """Read a TOML config file: ``[controller]`` and optional ``[slurm]`` tables."""
+    """Read a TOML config file: ``[controller]`` and optional ``[slurm]``, ``[kubernetes]``,
+    ``[hyperpod]`` tables."""
     p = Path(path)
     try:
         data = tomllib.loads(p.read_text(encoding="utf-8"))
@@ -114,7 +115,7 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{p}: cannot read config: {exc}") from exc
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{p}: invalid TOML: {exc}") from exc
-    unknown = sorted(set(data) - {"controller", "slurm", "local"})
+    unknown = sorted(set(data) - {"controller", "slurm", "local", "kubernetes", "hyperpod"})
     if unknown:
         raise ConfigError(f"{p}: unknown section(s): {', '.join(unknown)}")
     for key, value in data.items():

@@ -16,7 +16,7 @@ from replicheck.controller.config import (
 )
 from replicheck.controller.errors import ConfigError
 
-BACKENDS = ("local", "slurm")
+BACKENDS = ("local", "slurm", "kubernetes", "hyperpod")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -24,11 +24,15 @@ class Settings:
     """Everything ``replicheck controller run`` needs."""
 
     backend: str = "local"
-    """Which backend: local or slurm."""
+    """Which backend: local, slurm, kubernetes or hyperpod."""
     controller: ControllerConfig = dataclasses.field(default_factory=ControllerConfig)
     """The controller's policy."""
     slurm: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     """Raw ``[slurm]`` table, turned into a SlurmConfig when the slurm backend is built."""
+    kubernetes: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    """Raw ``[kubernetes]`` table (KubernetesConfig)."""
+    hyperpod: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    """Raw ``[hyperpod]`` table (HyperPodConfig)."""
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -43,7 +47,8 @@ def load_settings(config_path: str | Path | None, *, backend: str | None = None,
     kind = backend or section.pop("backend", None) or "local"
     controller = config_from_mapping(section).with_overrides(**overrides)
     slurm = {**data.get("slurm", {}), **{k: v for k, v in (slurm_overrides or {}).items() if v is not None}}
-    return Settings(backend=str(kind), controller=controller, slurm=slurm)
+    return Settings(backend=str(kind), controller=controller, slurm=slurm,
+                    kubernetes=dict(data.get("kubernetes", {})), hyperpod=dict(data.get("hyperpod", {})))
 
 
 def make_backend(settings: Settings, db_path: str | Path) -> Backend:
@@ -52,6 +57,18 @@ def make_backend(settings: Settings, db_path: str | Path) -> Backend:
         from replicheck.controller.backends.slurm import SlurmBackend, SlurmConfig
 
         return SlurmBackend(config_from_mapping(settings.slurm, SlurmConfig))
+    if settings.backend == "kubernetes":
+        from replicheck.controller.backends.kubernetes import KubernetesBackend, KubernetesConfig
+
+        return KubernetesBackend(config_from_mapping(settings.kubernetes, KubernetesConfig))
+    if settings.backend == "hyperpod":
+        from replicheck.controller.backends.hyperpod import HyperPodBackend, HyperPodConfig
+
+        hyperpod = config_from_mapping(settings.hyperpod, HyperPodConfig)
+        orchestrator = None
+        if hyperpod.orchestrator != "none":
+            orchestrator = make_backend(dataclasses.replace(settings, backend=hyperpod.orchestrator), db_path)
+        return HyperPodBackend(hyperpod, orchestrator=orchestrator)
     from replicheck.controller.backends.local import LocalBackend
 
     return LocalBackend(db_path)
@@ -59,11 +76,13 @@ def make_backend(settings: Settings, db_path: str | Path) -> Backend:
 
 def settings_to_json(settings: Settings) -> str:
     """Remembered in the database so ``replicheck nodes`` talks to the same backend."""
-    return json.dumps({"backend": settings.backend, "slurm": dict(settings.slurm)}, sort_keys=True)
+    return json.dumps({"backend": settings.backend, "slurm": dict(settings.slurm),
+                       "kubernetes": dict(settings.kubernetes), "hyperpod": dict(settings.hyperpod)}, sort_keys=True)
 
 
 def settings_from_json(text: str | None) -> Settings:
     if not text:
         return Settings()
     data = json.loads(text)
-    return Settings(backend=data.get("backend", "local"), slurm=data.get("slurm", {}))
+    return Settings(backend=data.get("backend", "local"), slurm=data.get("slurm", {}),
+                    kubernetes=data.get("kubernetes", {}), hyperpod=data.get("hyperpod", {}))
