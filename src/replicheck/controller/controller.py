@@ -13,7 +13,7 @@ from replicheck.timefmt import utc_iso_us
 from replicheck.controller import ingest as _ingest
 from replicheck.controller.backends.base import Backend, NodeInfo
 from replicheck.controller.config import ControllerConfig
-from replicheck.controller.errors import ConfigError
+from replicheck.controller.errors import ConfigError, DecisionConflictError
 from replicheck.controller.executor import Deferred, Executor
 from replicheck.controller.machine import initial_record, transition
 from replicheck.controller.model import (
@@ -244,6 +244,35 @@ class Controller:
         """Record that a person judged the incident a false alarm; the cordon is undone."""
         return self._operator(incident_id, Dismissed(by=_who(by), at=self._now()))
 
+    def decide(self, incident_id: str, decision: str, by: str, *, expect_state: State | None = None,
+               via: str | None = None) -> Record:
+        """Approve or dismiss at most once: the check and the decision are one write transaction,
+        so of two decisions racing on one incident exactly one is recorded.
+
+        ``decision`` is "approve" or "dismiss". With ``expect_state`` the decision applies only
+        while the incident is still in that state (the state the person saw); without it, only
+        while no person or policy has decided yet. The loser gets DecisionConflictError.
+        ``via`` (how the request arrived) is audited with the decision.
+        """
+        if decision not in ("approve", "dismiss"):
+            raise ConfigError(f"unknown decision {decision!r}; use approve or dismiss")
+        who = _who(by)
+        with self.store.transaction():  # BEGIN IMMEDIATE: no other writer between check and write
+            record = self.store.get_record(incident_id)
+            if expect_state is not None and record.state is not expect_state:
+                raise DecisionConflictError(
+                    f"incident {incident_id} is {record.state.value}, not {expect_state.value}: "
+                    f"{_decided(record) or record.reason}; reload and decide again")
+            if expect_state is None and _decided(record):
+                raise DecisionConflictError(
+                    f"incident {incident_id} was already {_decided(record)}; to overrule, send "
+                    f"expect_state={record.state.value}")
+            now = self._now()
+            if via:
+                self.store.audit(now, who, f"{decision} requested", via, incident_id)
+            event = Approved(by=who, at=now) if decision == "approve" else Dismissed(by=who, at=now)
+            return self._operator(incident_id, event)
+
     def _operator(self, incident_id: str, event: Approved | Dismissed) -> Record:
         made: list[Transition] = []
         return self._apply(incident_id, event, event.by, made)
@@ -262,6 +291,14 @@ class Controller:
 
     def _now(self) -> str:
         return utc_iso_us(self._clock())
+
+
+def _decided(record: Record) -> str:
+    if record.dismissed_by:
+        return f"dismissed by {record.dismissed_by} at {record.dismissed_at}"
+    if record.approved_by:
+        return f"approved by {record.approved_by} at {record.approved_at}"
+    return ""
 
 
 def _who(by: str) -> str:
