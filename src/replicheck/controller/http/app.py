@@ -94,7 +94,7 @@ class DecisionBody(BaseModel):
 
 
 def create_app(config: HttpConfig, *, on_change: Callable[[], None] | None = None) -> Any:
-    """The ASGI application. ``on_change`` is called after an incident is stored or decided
+    """The ASGI application (the FastAPI app is its ``.app``). ``on_change`` is called after an incident is stored or decided
     (the serving controller uses it to reconcile at once)."""
     auth = Authenticator(config.tokens)
     budget = RefusalBudget(config.refusal_audits_per_minute)
@@ -331,8 +331,8 @@ def create_app(config: HttpConfig, *, on_change: Callable[[], None] | None = Non
         if metrics is not None:
             metrics.requests.labels(method, route, str(status)).inc()
 
-    app.add_middleware(Guard, on_response=on_response)
-    return app
+    # Outermost, so an announced oversized body is refused before any other layer reads it.
+    return Guard(app, limit=config.max_body_bytes, on_response=on_response, on_too_large=lambda: bad_body("too_large"))
 
 
 def _no_constant(name: str) -> Any:

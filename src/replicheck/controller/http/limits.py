@@ -1,5 +1,6 @@
-"""ASGI middleware in front of the API: security headers and per-route request counts.
-Pure ASGI (no framework imports). The body size limit is FastAPI's ``max_body_size``."""
+"""ASGI middleware in front of the API: security headers, per-route request counts, and a
+JSON 413 for bodies announced too large. Pure ASGI (no framework imports). Streamed bodies
+are limited by FastAPI's ``max_body_size``, whose 413 the app turns into the same JSON."""
 
 from __future__ import annotations
 
@@ -28,17 +29,36 @@ def error_body(status: int, code: str, message: str) -> bytes:
 
 
 class Guard:
-    """Adds security headers to every response and reports (method, route, status)."""
+    """Adds security headers to every response, reports (method, route, status), and refuses a
+    Content-Length over ``limit`` before the body is read."""
 
-    def __init__(self, app: ASGIApp, *, on_response: Callable[[str, str, int], None] | None = None) -> None:
+    def __init__(self, app: ASGIApp, *, limit: int, on_response: Callable[[str, str, int], None] | None = None,
+                 on_too_large: Callable[[], None] | None = None) -> None:
         self.app = app
+        self.limit = limit
         self.on_response = on_response
+        self.on_too_large = on_too_large
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         status = [0]
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.limit):
+            too_large = length.isdigit()
+            if too_large and self.on_too_large is not None:
+                self.on_too_large()
+            code, text = (413, "too_large") if too_large else (400, "bad_request")
+            message = f"request body larger than {self.limit} bytes" if too_large else "bad Content-Length"
+            body = error_body(code, text, message)
+            await send({"type": "http.response.start", "status": code, "headers": [
+                (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                (b"connection", b"close"), *SECURITY_HEADERS]})
+            await send({"type": "http.response.body", "body": body})
+            if self.on_response is not None:
+                self.on_response(str(scope.get("method", "")), "unrouted", code)
+            return
 
         async def tracked(message: Message) -> None:
             if message["type"] == "http.response.start":
