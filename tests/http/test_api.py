@@ -315,3 +315,21 @@ def test_refusal_audit_budget() -> None:
     assert [budget.take() for _ in range(4)] == [(True, 0), (True, 0), (False, 0), (False, 0)]
     now[0] = 61.0
     assert budget.take() == (True, 2)
+
+
+def test_odd_incident_ids_round_trip(live: Live) -> None:
+    """Ids with '/', spaces or non-Latin characters are stored, shown and decided via their
+    percent-encoded URL (the Location header is encoded too)."""
+    from urllib.parse import quote
+
+    inc = make_incident()
+    data = inc.to_dict()
+    data["id"] = "team/α job 7"
+    reply = call(live.url, "POST", INCIDENTS, data, token=JOB_TOKEN)
+    assert reply.status == 201
+    path = f"{INCIDENTS}/{quote(data['id'], safe='')}"
+    assert reply.headers["location"] == path
+    with live.controller() as ctl:
+        ctl.reconcile()
+    assert call(live.url, "GET", path, token=ALICE_TOKEN).json()["incident"]["id"] == data["id"]
+    assert call(live.url, "POST", path + "/approve", token=ALICE_TOKEN).json()["record"]["approved_by"] == "alice"

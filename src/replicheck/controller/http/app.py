@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any, Callable, Iterator
+from urllib.parse import quote
 
 from replicheck.controller.config import ControllerConfig
 from replicheck.controller.controller import Controller
@@ -233,7 +234,7 @@ def create_app(config: HttpConfig, *, on_change: Callable[[], None] | None = Non
         result = await run_in_threadpool(store)
         changed()
         return JSONResponse({"id": incident.id, "new": result.new}, status_code=201 if result.new else 200,
-                            headers={"Location": f"{API}/incidents/{incident.id}"})
+                            headers={"Location": f"{API}/incidents/{quote(incident.id, safe='')}"})
 
     # --- operators --------------------------------------------------------------------------
 
@@ -249,7 +250,7 @@ def create_app(config: HttpConfig, *, on_change: Callable[[], None] | None = Non
             rejected = len(ctl.store.rejected_rows())
         return {"incidents": [summary_json(r) for r in records], "rejected_inputs": rejected}
 
-    @app.get(f"{API}/incidents/{{incident_id}}", tags=["operators"], summary="One incident in full",
+    @app.get(f"{API}/incidents/{{incident_id:path}}", tags=["operators"], summary="One incident in full",
              responses={404: {"description": "unknown incident"}})
     def show_incident(incident_id: str, _: Principal = Security(operator)) -> dict[str, Any]:
         with controller() as ctl:
@@ -281,13 +282,13 @@ def create_app(config: HttpConfig, *, on_change: Callable[[], None] | None = Non
         409: {"description": "not in a state that allows this decision, or already decided"},
         422: {"description": "invalid body"}}
 
-    @app.post(f"{API}/incidents/{{incident_id}}/approve", tags=["operators"], responses=decision_responses,
+    @app.post(f"{API}/incidents/{{incident_id:path}}/approve", tags=["operators"], responses=decision_responses,
               summary="Approve the replacement of the incident's nodes")
     def approve(incident_id: str, request: Request, body: DecisionBody | None = Body(default=None),
                 who: Principal = Security(operator)) -> dict[str, Any]:
         return decide(incident_id, "approve", body, who, request)
 
-    @app.post(f"{API}/incidents/{{incident_id}}/dismiss", tags=["operators"], responses=decision_responses,
+    @app.post(f"{API}/incidents/{{incident_id:path}}/dismiss", tags=["operators"], responses=decision_responses,
               summary="Dismiss the incident (false alarm: undo the cordon)")
     def dismiss(incident_id: str, request: Request, body: DecisionBody | None = Body(default=None),
                 who: Principal = Security(operator)) -> dict[str, Any]:
