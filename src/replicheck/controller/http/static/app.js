@@ -168,9 +168,9 @@ function drawTimeline(inc, audit) {
   events.forEach((e, i) => {
     const x = left + (right - left) * (e.t - t0) / span;
     s.append(svg("circle", {cx: x, cy: 45, r: 6, fill: colour[e.kind]}));
-    s.append(svg("text", {x: x, y: i % 2 ? 75 : 25, "text-anchor": "middle"}, e.label));
+    s.append(svg("text", {x: x, y: [14, 72, 28, 86][i % 4], "text-anchor": "middle"}, e.label));
   });
-  s.append(svg("text", {x: right + 5, y: 49}, `+${formatSpan(span)}`));
+  s.append(svg("text", {x: right + 12, y: 49}, `+${formatSpan(span)}`));
 }
 
 function formatSpan(ms) {
