@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-EXTRAS ?= test,plot,progress
+EXTRAS ?= test,plot,progress,http,metrics
 
 .PHONY: demo test bench campaign system-deps clean
 

@@ -3,28 +3,13 @@ the API served by uvicorn on 127.0.0.1 with a free port, in a background thread.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import pytest
-from httpkit import cluster, write_tokens
+from httpkit import Live, cluster, write_tokens
 
-from replicheck.controller import Controller, ControllerConfig
 from replicheck.controller.http import BackgroundServer, HttpConfig, Role, create_app, read_token_file
-
-
-@dataclass
-class Live:
-    """A running API over ``db``."""
-
-    url: str
-    db: Path
-    job_token_file: Path
-    operator_token_file: Path
-
-    def controller(self, **config: Any) -> Controller:
-        return Controller(self.db, config=ControllerConfig(**{"apply": True, **config}))
 
 
 @pytest.fixture

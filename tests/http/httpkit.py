@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import http.client
 import json
@@ -9,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from replicheck.controller import LocalBackend
+from replicheck.controller import Controller, ControllerConfig, LocalBackend
 from replicheck.incident import Incident, NodeIdentity, Suspect, make_incident_id
 
 JOB_TOKEN = "job-token-0123456789abcdef"
@@ -26,13 +27,13 @@ def make_incident(*, job: str = "job1", step: int = 40, nodes: tuple[str, ...] =
               "agree": False},
              {"source": 0, "verifier": 1, "source_node": "n1", "verifier_node": nodes[0], "distance": 0.0,
               "agree": True}]
-    extra = {} if time is None else {"time": time}
-    return Incident(
+    incident = Incident(
         id=make_incident_id(job, step, "replay"), job_id=job, step=step, check="replay",
         suspect_ranks=tuple(s.rank for s in people), suspect_nodes=nodes,
         classification=classification,  # type: ignore[arg-type]
         suspects=people, evidence={"replay": {"pairs": pairs}}, last_verified_step=30,
-        recommended_checkpoint={"step": 30, "path": "/ckpt/step-30"}, world_size=4, **extra)
+        recommended_checkpoint={"step": 30, "path": "/ckpt/step-30"}, world_size=4)
+    return incident if time is None else dataclasses.replace(incident, time=time)
 
 
 def cluster(db: Path) -> None:
@@ -61,6 +62,19 @@ class Reply:
 
     def json(self) -> Any:
         return json.loads(self.body)
+
+
+@dataclass
+class Live:
+    """A running API over ``db``."""
+
+    url: str
+    db: Path
+    job_token_file: Path
+    operator_token_file: Path
+
+    def controller(self, **config: Any) -> Controller:
+        return Controller(self.db, config=ControllerConfig(**{"apply": True, **config}))
 
 
 def call(base: str, method: str, path: str, body: bytes | str | Mapping[str, Any] | None = None, *,

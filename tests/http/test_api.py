@@ -7,8 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import Live
-from httpkit import ALICE_TOKEN, JOB_TOKEN, SHARED_TOKEN, call, make_incident
+from httpkit import ALICE_TOKEN, JOB_TOKEN, Live, SHARED_TOKEN, call, make_incident
 
 from replicheck.controller import State
 from replicheck.controller.errors import ConfigError

@@ -7,10 +7,9 @@ import json
 from typing import Any, Iterator
 
 import pytest
-from conftest import Live
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from httpkit import ALICE_TOKEN, JOB_TOKEN, call, make_incident
+from httpkit import ALICE_TOKEN, JOB_TOKEN, Live, call, make_incident
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -27,7 +26,7 @@ json_values = st.recursive(
 @st.composite
 def mutated_incident(draw: st.DrawFn) -> dict[str, Any]:
     """A valid incident with some fields dropped, replaced by arbitrary JSON, or added."""
-    data = json.loads(json.dumps(BASE))
+    data: dict[str, Any] = json.loads(json.dumps(BASE))
     data["id"] = draw(st.text(min_size=1, max_size=30))
     for key in draw(st.lists(st.sampled_from(sorted(BASE)), max_size=4, unique=True)):
         if draw(st.booleans()):
@@ -54,7 +53,6 @@ payloads = (
 
 @pytest.fixture(scope="module")
 def module_live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
-    from conftest import Live as L
     from httpkit import cluster, write_tokens
 
     from replicheck.controller.http import BackgroundServer, HttpConfig, Role, create_app, read_token_file
@@ -66,7 +64,7 @@ def module_live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
     tokens = read_token_file(job, Role.JOB) + read_token_file(operator, Role.OPERATOR)
     server = BackgroundServer(create_app(HttpConfig(db_path=str(db), tokens=tokens, max_body_bytes=65536)),
                               "127.0.0.1", 0).start()
-    yield L(server.url, db, job, operator)
+    yield Live(server.url, db, job, operator)
     server.stop()
 
 

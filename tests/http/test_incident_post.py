@@ -11,8 +11,7 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
-from conftest import Live
-from httpkit import JOB_TOKEN, make_incident
+from httpkit import JOB_TOKEN, Live, make_incident
 
 from replicheck.incident import read_incident
 from replicheck.incident_post import PostConfig, PostConfigError, post_incident, read_token

@@ -7,8 +7,7 @@ import datetime as dt
 from typing import Any
 
 import pytest
-from conftest import Live
-from httpkit import ALICE_TOKEN, JOB_TOKEN, call, iso, make_incident
+from httpkit import ALICE_TOKEN, JOB_TOKEN, Live, call, iso, make_incident
 from prometheus_client.parser import text_string_to_metric_families
 
 from replicheck.controller import Controller, ControllerConfig

@@ -11,8 +11,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
-from conftest import Live
-from httpkit import ALICE_TOKEN, JOB_TOKEN, call, make_incident
+from httpkit import ALICE_TOKEN, JOB_TOKEN, Live, call, make_incident
 
 from replicheck.controller import LocalBackend, State
 
@@ -32,7 +31,6 @@ def _need_browser() -> Any:
         from playwright.sync_api import sync_playwright
     except ImportError:
         problems.append("playwright is not installed (pip install -e '.[test]')")
-        sync_playwright = None
     if problems:
         if os.environ.get("CI"):
             pytest.fail("; ".join(problems))

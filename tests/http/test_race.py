@@ -6,8 +6,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from conftest import Live
-from httpkit import ALICE_TOKEN, JOB_TOKEN, SHARED_TOKEN, call, cluster, make_incident
+from httpkit import ALICE_TOKEN, JOB_TOKEN, Live, SHARED_TOKEN, call, cluster, make_incident
 
 from replicheck.controller import Controller, ControllerConfig, State
 from replicheck.controller.errors import DecisionConflictError

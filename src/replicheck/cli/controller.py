@@ -97,8 +97,13 @@ def _run_inner(args: argparse.Namespace) -> int:
             ctl.run(stop, max_passes=max_passes)
             return status
         wake = threading.Event()  # set by the API after an incident is posted or decided
+
+        def halt(*_: object) -> None:
+            stop.set()
+            wake.set()
+
         for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: (stop.set(), wake.set()))
+            signal.signal(sig, halt)
         server = _start_http(args, db, config, applies=config.apply, on_change=wake.set)
         try:
             passes = 0
@@ -159,7 +164,7 @@ def _start_http(args: argparse.Namespace, db: str, config: Any, *, applies: bool
     except ImportError as exc:
         raise ConfigError(str(exc)) from exc
     host, port = parse_address(args.http)
-    tokens = []
+    tokens: list[Any] = []
     job_file = args.job_token_file or os.environ.get("REPLICHECK_JOB_TOKEN_FILE")
     operator_file = args.operator_token_file or os.environ.get("REPLICHECK_OPERATOR_TOKEN_FILE")
     if not operator_file:
