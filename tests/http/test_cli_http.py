@@ -114,3 +114,21 @@ def test_controller_serve(tmp_path: Path, tokens: tuple[Path, Path]) -> None:
         assert b"replicheck_incidents" in call(url, "GET", "/metrics").body
     finally:
         assert _stop(proc) == 0
+
+
+def test_http_package_never_imports_torch(tmp_path: Path, tokens: tuple[Path, Path]) -> None:
+    """Building the app (API, page, metrics) and the poster import no torch."""
+    job, operator = tokens
+    code = (
+        "import sys\n"
+        "from replicheck.controller.http import HttpConfig, Role, create_app, read_token_file\n"
+        "import replicheck.controller.http.metrics, replicheck.incident_post\n"
+        "tokens = read_token_file(sys.argv[2], Role.OPERATOR) + read_token_file(sys.argv[3], Role.JOB)\n"
+        "create_app(HttpConfig(db_path=sys.argv[1], tokens=tokens)).app.openapi()\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+        "print('clean')\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code, str(tmp_path / "c.db"), str(operator), str(job)],
+                         capture_output=True, text=True, env=_env(), timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "clean"

@@ -128,7 +128,7 @@ async function show(id) {
     ["Last passing verification", inc.last_verified_step ?? "none"],
     ["Recommended checkpoint", ck ? `step ${ck.step} at ${ck.path}` : "none named"],
     ["Nodes acted on", rec.targets.join(", ") || "none"],
-    ["Cordoned now", rec.cordoned.join(", ") || "none"],
+    ["Cordoned by this incident", rec.cordoned.join(", ") || "none"],
     ...rec.cordon_skipped.map(([n, why]) => ["Not cordoned: " + n, why]),
     ["Detected (job clock)", inc.time],
     ["Received", `${d.first_seen} from ${d.source} (${d.deliveries} delivery/ies)`],
@@ -154,23 +154,26 @@ async function show(id) {
 }
 
 function drawTimeline(inc, audit) {
+  // Events in order, evenly spaced (controller steps often land milliseconds apart), each
+  // labelled with its time since detection.
   const s = $("timeline");
   s.replaceChildren();
   const events = [{t: Date.parse(inc.time), label: "detected", kind: "detect"}];
   for (const a of audit) {
     if (a.what.includes("->")) events.push({t: Date.parse(a.at), label: a.what.split("->")[1].trim(), kind: a.what.includes("failed") ? "bad" : "step"});
-    else if (a.what.endsWith("requested")) events.push({t: Date.parse(a.at), label: a.what + " by " + a.actor, kind: "person"});
+    else if (a.what.endsWith("requested")) events.push({t: Date.parse(a.at), label: a.what.replace(" requested", "") + " by " + a.actor, kind: "person"});
   }
-  const t0 = Math.min(...events.map(e => e.t)), t1 = Math.max(...events.map(e => e.t));
-  const W = 900, left = 40, right = W - 60, span = Math.max(t1 - t0, 1);
+  const W = 900, left = 50, right = W - 50;
+  const gap = events.length > 1 ? (right - left) / (events.length - 1) : 0;
   s.append(svg("line", {x1: left, x2: right, y1: 45, y2: 45, stroke: "#888"}));
   const colour = {detect: "#e53935", step: "#1e88e5", person: "#ffb300", bad: "#e53935"};
   events.forEach((e, i) => {
-    const x = left + (right - left) * (e.t - t0) / span;
+    const x = left + gap * i, up = i % 2 === 0;
     s.append(svg("circle", {cx: x, cy: 45, r: 6, fill: colour[e.kind]}));
-    s.append(svg("text", {x: x, y: [14, 72, 28, 86][i % 4], "text-anchor": "middle"}, e.label));
+    s.append(svg("text", {x: x, y: up ? 18 : 80, "text-anchor": "middle"}, e.label));
+    s.append(svg("text", {x: x, y: up ? 31 : 67, "text-anchor": "middle", fill: "#666"},
+                 i === 0 ? inc.time.slice(11, 19) + " UTC" : "+" + formatSpan(e.t - events[0].t)));
   });
-  s.append(svg("text", {x: right + 12, y: 49}, `+${formatSpan(span)}`));
 }
 
 function formatSpan(ms) {
