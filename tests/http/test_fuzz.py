@@ -92,3 +92,11 @@ def test_accepted_fuzzed_incidents_show_and_list(module_live: Live) -> None:
 
         shown = call(module_live.url, "GET", "/api/v1/incidents/" + quote(item["id"], safe=""), token=ALICE_TOKEN)
         assert shown.status < 500
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(header=st.text(alphabet=st.characters(min_codepoint=32, max_codepoint=255), max_size=60))
+def test_no_authorization_header_gives_5xx(module_live: Live, header: str) -> None:
+    """Arbitrary Authorization headers on an operator endpoint are refused with 401, never 5xx."""
+    reply = call(module_live.url, "GET", "/api/v1/incidents", headers={"Authorization": header.strip() or "x"})
+    assert reply.status == 401 and reply.json()["error"]["code"] == "unauthorized"
