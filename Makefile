@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-EXTRAS ?= test,plot,progress,lint,kubernetes,hyperpod
+EXTRAS ?= test,plot,progress,lint,kubernetes,hyperpod,http,metrics
 
 .PHONY: demo test test-slow lint bench campaign system-deps clean
 

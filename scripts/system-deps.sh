@@ -1,17 +1,20 @@
 #!/usr/bin/env bash
-# System packages the test suite needs (a real Slurm for tests/slurm). Installs them with apt
-# when running as root and they are missing; otherwise says what the slurm tests will do.
+# System packages the test suite needs (a real Slurm for tests/slurm; Debian's Chromium and its
+# driver for the approval page test in tests/http, since browsers cannot be downloaded there).
+# Installs them with apt when running as root and they are missing; otherwise says what is missing.
 set -euo pipefail
 need=()
 command -v slurmctld >/dev/null 2>&1 || need+=(slurmctld)
 command -v slurmd >/dev/null 2>&1 || need+=(slurmd)
 command -v sbatch >/dev/null 2>&1 || need+=(slurm-client)
 command -v munged >/dev/null 2>&1 || need+=(munge)
+[ -x /usr/bin/chromium ] || need+=(chromium)
+[ -x /usr/bin/chromedriver ] || need+=(chromium-driver)
 if [ ${#need[@]} -eq 0 ]; then
   exit 0
 fi
 if [ "$(id -u)" -ne 0 ]; then
-  echo "system-deps: not root; missing ${need[*]} (the Slurm tests will say so)" >&2
+  echo "system-deps: not root; missing ${need[*]} (the Slurm and browser tests will say so)" >&2
   exit 0
 fi
 export DEBIAN_FRONTEND=noninteractive

@@ -30,7 +30,28 @@ def register(subparsers: Any) -> None:
     run.add_argument("--passes", type=int, default=None, help="stop after this many passes")
     run.add_argument("--interval", type=float, default=None, metavar="S", help="seconds between passes")
     run.add_argument("--slurm-conf", default=None, metavar="PATH", help="slurm.conf (default: $SLURM_CONF)")
+    run.add_argument("--http", default=None, metavar="HOST:PORT",
+                     help="also serve the HTTP API, approval page and /metrics (pip install 'replicheck[http]')")
+    _add_http_options(run)
     run.set_defaults(func=_run)
+    serve = sub.add_parser("serve", help="serve the HTTP API, approval page and /metrics over a database, "
+                                         "without acting (a running controller, or the demo, acts)")
+    add_db_argument(serve)
+    serve.add_argument("--http", default="127.0.0.1:8765", metavar="HOST:PORT",
+                       help="where to listen (default: 127.0.0.1:8765; port 0 picks a free one)")
+    serve.add_argument("--config", metavar="FILE", help="TOML file whose [controller] policy the page explains")
+    _add_http_options(serve)
+    serve.set_defaults(func=_serve)
+
+
+def _add_http_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--job-token-file", default=None, metavar="FILE",
+                        help="file with the token(s) jobs post incidents with (default: $REPLICHECK_JOB_TOKEN_FILE)")
+    parser.add_argument("--operator-token-file", default=None, metavar="FILE",
+                        help="file with the operator token(s) for reading and deciding "
+                             "(default: $REPLICHECK_OPERATOR_TOKEN_FILE); one 'TOKEN' or 'NAME TOKEN' per line")
+    parser.add_argument("--max-body-bytes", type=int, default=None, metavar="N",
+                        help="refuse larger request bodies with 413 (default: 1 MiB)")
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -65,5 +86,92 @@ def _run(args: argparse.Namespace) -> int:
         stop = threading.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
-        ctl.run(stop, max_passes=1 if args.once else args.passes)
+        max_passes = 1 if args.once else args.passes
+        if args.http is None:
+            ctl.run(stop, max_passes=max_passes)
+            return status
+        wake = threading.Event()  # set by the API after an incident is posted or decided
+
+        def halt(*_: object) -> None:
+            stop.set()
+            wake.set()
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, halt)
+        server = _start_http(args, db, config, applies=config.apply, on_change=wake.set)
+        try:
+            passes = 0
+            while not stop.is_set():
+                wake.clear()
+                ctl.reconcile()
+                passes += 1
+                if max_passes is not None and passes >= max_passes:
+                    break
+                wake.wait(config.poll_interval_s)
+        finally:
+            server.stop()
         return status
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from replicheck.controller.clisupport import guarded
+
+    return guarded(_serve_inner)(args)
+
+
+def _serve_inner(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from replicheck.controller.clisupport import db_path
+    from replicheck.controller.errors import ConfigError
+    from replicheck.controller.wiring import load_settings
+
+    db = db_path(args)
+    if not Path(db).is_file():
+        raise ConfigError(f"no controller database at {db} (run 'make demo' or 'replicheck controller run' first)")
+    config = load_settings(args.config).controller
+    server = _start_http(args, db, config, applies=None, on_change=None)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        stop.wait()
+    finally:
+        server.stop()
+    return 0
+
+
+def _start_http(args: argparse.Namespace, db: str, config: Any, *, applies: bool | None,
+                on_change: Any) -> Any:
+    """Build the app from the token files and start it; prints where it listens."""
+    from replicheck.controller.errors import ConfigError
+
+    try:
+        from replicheck.controller.http import (
+            BackgroundServer,
+            HttpConfig,
+            Role,
+            create_app,
+            parse_address,
+            read_token_file,
+        )
+    except ImportError as exc:
+        raise ConfigError(str(exc)) from exc
+    host, port = parse_address(args.http)
+    tokens: list[Any] = []
+    job_file = args.job_token_file or os.environ.get("REPLICHECK_JOB_TOKEN_FILE")
+    operator_file = args.operator_token_file or os.environ.get("REPLICHECK_OPERATOR_TOKEN_FILE")
+    if not operator_file:
+        raise ConfigError("--http needs --operator-token-file FILE (or $REPLICHECK_OPERATOR_TOKEN_FILE)")
+    tokens += read_token_file(operator_file, Role.OPERATOR)
+    if job_file:
+        tokens += read_token_file(job_file, Role.JOB)
+    options = {} if args.max_body_bytes is None else {"max_body_bytes": args.max_body_bytes}
+    app = create_app(HttpConfig(db_path=db, tokens=tuple(tokens), controller=config, applies=applies, **options),
+                     on_change=on_change)
+    server = BackgroundServer(app, host, port).start()
+    print(f"approval page: {server.url}/  (API: {server.url}/api/v1, description: {server.url}/openapi.json, "
+          f"metrics: {server.url}/metrics)", flush=True)
+    if not job_file:
+        print("no job token file: incidents cannot be posted over HTTP (--job-token-file)", flush=True)
+    return server

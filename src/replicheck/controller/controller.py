@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 from replicheck.controller import ingest as _ingest
 from replicheck.controller.backends.base import Backend, NodeInfo
 from replicheck.controller.config import ControllerConfig
-from replicheck.controller.errors import ConfigError
+from replicheck.controller.errors import ConfigError, DecisionConflictError
 from replicheck.controller.executor import Deferred, Executor, Skipped
 from replicheck.controller.lease import Lease
 from replicheck.controller.machine import initial_record, transition
@@ -292,6 +292,38 @@ class Controller:
         """Record that a person judged the incident a false alarm; the cordon is undone."""
         return self._operator(incident_id, Dismissed(by=self._who(by), at=self._now(), os_user=os_account()))
 
+    def decide(self, incident_id: str, decision: str, by: str, *, expect_state: State | None = None,
+               via: str | None = None) -> Record:
+        """Approve or dismiss at most once: the check and the decision are one write transaction,
+        so of two decisions racing on one incident exactly one is recorded.
+
+        ``decision`` is "approve" or "dismiss". With ``expect_state`` the decision applies only
+        while the incident is still in that state (the state the person saw); without it, only
+        while no person or policy has decided yet. The loser gets DecisionConflictError.
+        ``via`` (how the request arrived) is audited with the decision.
+        """
+        if decision not in ("approve", "dismiss"):
+            raise ConfigError(f"unknown decision {decision!r}; use approve or dismiss")
+        who = self._who(by)
+        # Over HTTP the person is the token's holder; this process's OS account says nothing of them.
+        os_user = "" if via else os_account()
+        with self.store.transaction():  # BEGIN IMMEDIATE: no other writer between check and write
+            record = self.store.get_record(incident_id)
+            if expect_state is not None and record.state is not expect_state:
+                raise DecisionConflictError(
+                    f"incident {incident_id} is {record.state.value}, not {expect_state.value}: "
+                    f"{_decided(record) or record.reason}; reload and decide again")
+            if expect_state is None and _decided(record):
+                raise DecisionConflictError(
+                    f"incident {incident_id} was already {_decided(record)}; to overrule, send "
+                    f"expect_state={record.state.value}")
+            now = self._now()
+            if via:
+                self.store.audit(now, who, f"{decision} requested", via, incident_id)
+            event: Approved | Dismissed = (Approved(by=who, at=now, os_user=os_user) if decision == "approve"
+                                           else Dismissed(by=who, at=now, os_user=os_user))
+            return self._operator(incident_id, event)
+
     def _operator(self, incident_id: str, event: Approved | Dismissed) -> Record:
         made: list[Transition] = []
         return self._apply(incident_id, event, event.by, made)
@@ -335,5 +367,13 @@ def os_account() -> str:
     except KeyError:
         name = "?"
     return f"{name} uid {uid}"
+
+
+def _decided(record: Record) -> str:
+    if record.dismissed_by:
+        return f"dismissed by {record.dismissed_by} at {record.dismissed_at}"
+    if record.approved_by:
+        return f"approved by {record.approved_by} at {record.approved_at}"
+    return ""
 
 

@@ -24,6 +24,11 @@ class InvalidTransitionError(ControllerError):
     """An operator command does not apply to the incident's current state."""
 
 
+class DecisionConflictError(InvalidTransitionError):
+    """An operator decision was refused because the incident is no longer in the state the
+    operator decided on (another decision, or the controller, got there first)."""
+
+
 class BackendError(ControllerError):
     """A backend call did not succeed."""
 

@@ -1,0 +1,23 @@
+"""The incident's JSON Schema for the OpenAPI description, generated from the Incident
+dataclass by pydantic. Documentation only: validation is ``Incident.from_dict``'s."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from replicheck.incident import SCHEMA, SCHEMA_VERSION, Incident
+
+
+def incident_schema() -> dict[str, Any]:
+    """``{"Incident": ..., "Suspect": ..., "NodeIdentity": ...}`` as OpenAPI component schemas."""
+    from pydantic import TypeAdapter
+
+    raw = TypeAdapter(Incident).json_schema(ref_template="#/components/schemas/{model}")
+    defs = raw.pop("$defs", {})
+    props = raw.setdefault("properties", {})
+    props["schema"] = {"const": SCHEMA, "type": "string", "description": "always " + SCHEMA}
+    props["version"] = {"const": SCHEMA_VERSION, "type": "integer", "description": "schema version"}
+    required = set(raw.get("required", [])) | {"schema", "version", "world_size", "time"}
+    raw["required"] = sorted(required)
+    raw["description"] = ("A replicheck incident record (version %d); see replicheck.incident." % SCHEMA_VERSION)
+    return {"Incident": raw, **defs}
