@@ -32,10 +32,11 @@ CLASSIFICATIONS: tuple[Classification, ...] = ("persistent", "transient", "ambig
 # a value can reach a scheduler's argv or a terminal without quoting or escaping.
 NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 """A node name: one plain host name, never a hostlist expression, option or ``key=value``."""
-JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,127}")
-"""A job id (a Slurm id such as ``123``, ``123_4``, ``123+0``, or a name given to the guard)."""
-INCIDENT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:+-]{0,254}")
-"""An incident id (``<job>-s<step>-<check>``)."""
+JOB_ID = re.compile(r"(?=[^/]{1,128}(?:/[^/]{1,128})?\Z)[A-Za-z0-9][A-Za-z0-9._+-]*(?:/[A-Za-z0-9][A-Za-z0-9._+-]*)?")
+"""A job id (a Slurm id such as ``123``, ``123_4``, ``123+0``, a name given to the guard, or a
+Kubernetes ``namespace/name``: at most one ``/``, each side starting with a letter or digit)."""
+INCIDENT_ID = re.compile(r"(?=.{1,320}\Z)[A-Za-z0-9][A-Za-z0-9._:+-]*(?:/[A-Za-z0-9][A-Za-z0-9._:+-]*)?")
+"""An incident id (``<job>-s<step>-<check>``; one ``/`` where the job id has one)."""
 CHECKPOINT_PATH = re.compile(r"[^\x00-\x1f\x7f-\x9f-][^\x00-\x1f\x7f-\x9f]{0,4095}")
 """A checkpoint path: printable, no control character, not option-like (no leading ``-``)."""
 MAX_EVIDENCE_DEPTH = 32

@@ -64,7 +64,7 @@ def _set(path: tuple[Any, ...], value: Any) -> Callable[[dict[str, Any]], None]:
 
 def _breaking(rng: random.Random, data: dict[str, Any]) -> tuple[str, Callable[[dict[str, Any]], None]]:
     bad = rng.choice(HOSTILE_STRINGS)
-    bad_id = bad if ":" not in bad else bad.replace(":", "/")  # ':' alone is legal in an incident id
+    bad_id = bad if ":" not in bad else bad.replace(":", " ")  # ':' (and one '/') are legal in an incident id
     has_suspects = bool(data["suspects"])
     people = "suspects" if has_suspects else "candidates"
     options: list[tuple[str, Callable[[dict[str, Any]], None]]] = [

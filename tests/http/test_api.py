@@ -167,6 +167,19 @@ def test_schema_violation_names_the_field(live: Live, field: str, value: object,
     assert _counts(live) == (0, 0)
 
 
+@pytest.mark.parametrize("field,value,named", [("id", "team/\u03b1 job 7", "id"),
+                                               ("job_id", "n1 state=idle", "job_id"),
+                                               ("suspect_nodes", ["node[1-4]"], "node name")])
+def test_ingest_grammar_violation_is_refused(live: Live, field: str, value: object, named: str) -> None:
+    """A body that parses but breaks the ingest grammar (as files are checked) is a 422 naming the
+    field, and nothing is stored, not even a rejected row."""
+    data = make_incident().to_dict()
+    data[field] = value
+    reply = call(live.url, "POST", INCIDENTS, data, token=JOB_TOKEN)
+    assert reply.status == 422 and named in reply.json()["error"]["message"]
+    assert _counts(live) == (0, 0)
+
+
 def test_list_and_show(live: Live) -> None:
     """Operators list incidents (optionally by state) and see one in full, with what a decision does."""
     iid = _awaiting(live)
@@ -317,13 +330,13 @@ def test_refusal_audit_budget() -> None:
 
 
 def test_odd_incident_ids_round_trip(live: Live) -> None:
-    """Ids with '/', spaces or non-Latin characters are stored, shown and decided via their
+    """An id with a '/' (a Kubernetes namespace/name job) is stored, shown and decided via its
     percent-encoded URL (the Location header is encoded too)."""
     from urllib.parse import quote
 
     inc = make_incident()
     data = inc.to_dict()
-    data["id"] = "team/α job 7"
+    data["id"] = "team/llm-s7-replay"
     reply = call(live.url, "POST", INCIDENTS, data, token=JOB_TOKEN)
     assert reply.status == 201
     path = f"{INCIDENTS}/{quote(data['id'], safe='')}"

@@ -8,6 +8,8 @@ import signal
 import threading
 from typing import Any
 
+from replicheck.controller.wiring import BACKENDS
+
 
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser("controller", help="run the recovery controller")
@@ -17,7 +19,7 @@ def register(subparsers: Any) -> None:
 
     add_db_argument(run)
     run.add_argument("--config", metavar="FILE", help="TOML file with [controller] and [slurm] tables")
-    run.add_argument("--backend", choices=("local", "slurm"), help="cluster backend (default: local)")
+    run.add_argument("--backend", choices=BACKENDS, help="cluster backend (default: local)")
     run.add_argument("--watch", action="append", default=[], metavar="DIR",
                      help="incident directory to watch (repeatable)")
     run.add_argument("--incident", action="append", default=[], metavar="FILE",
@@ -114,15 +116,9 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from replicheck.controller.clisupport import guarded
-
-    return guarded(_serve_inner)(args)
-
-
-def _serve_inner(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from replicheck.controller.clisupport import db_path
+    from replicheck.cli._support import db_path
     from replicheck.controller.errors import ConfigError
     from replicheck.controller.wiring import load_settings
 

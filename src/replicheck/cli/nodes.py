@@ -7,13 +7,15 @@ import dataclasses
 import os
 from typing import Any
 
+from replicheck.controller.wiring import BACKENDS
+
 
 def register(subparsers: Any) -> None:
     from replicheck.cli._support import add_db_argument
 
     parser = subparsers.add_parser("nodes", help="list the nodes of the controller's cluster backend")
     add_db_argument(parser)
-    parser.add_argument("--backend", choices=("local", "slurm"), default=None,
+    parser.add_argument("--backend", choices=BACKENDS, default=None,
                         help="backend (default: the one `controller run` last used with this database)")
     parser.add_argument("--slurm-conf", default=None, metavar="PATH", help="slurm.conf (default: $SLURM_CONF)")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
@@ -24,7 +26,7 @@ def _nodes(args: argparse.Namespace) -> int:
     from replicheck.cli._render import node_line
     from replicheck.cli._support import db_path, print_json
     from replicheck.controller.store import Store
-    from replicheck.controller.wiring import Settings, make_backend, settings_from_json
+    from replicheck.controller.wiring import make_backend, settings_from_json
 
     db = db_path(args)
     store = Store(db)
@@ -36,7 +38,8 @@ def _nodes(args: argparse.Namespace) -> int:
     conf = args.slurm_conf or os.environ.get("SLURM_CONF")
     if conf:
         slurm["slurm_conf"] = conf
-    settings = Settings(backend=args.backend or settings.backend, slurm=slurm)
+    # Keep the other backends' tables ([kubernetes], [hyperpod]) that `controller run` stored.
+    settings = dataclasses.replace(settings, backend=args.backend or settings.backend, slurm=slurm)
     nodes = make_backend(settings, db).list_nodes()
     if args.json:
         print_json([dataclasses.asdict(n) for n in nodes])

@@ -27,7 +27,7 @@ from replicheck.controller.http.limits import Guard, error_body
 from replicheck.controller.http.schema import incident_schema
 from replicheck.controller.http.views import detail_json, summary_json
 from replicheck.controller.model import State
-from replicheck.incident import Incident, IncidentFormatError
+from replicheck.incident import Incident, IncidentFormatError, validate_incident
 from replicheck.timefmt import utc_iso_us
 
 try:
@@ -221,6 +221,7 @@ def create_app(config: HttpConfig, *, on_change: Callable[[], None] | None = Non
             raise ApiError(400, "malformed", f"body is not valid JSON: {exc}") from None
         try:
             incident = Incident.from_dict(data)
+            validate_incident(incident)  # the ingest grammar, as for files: refused here, not stored
         except (IncidentFormatError, RecursionError) as exc:
             bad_body("schema")
             raise ApiError(422, "invalid_incident", str(exc)) from None
