@@ -40,8 +40,13 @@ def _bench(ctx: RankContext, rounds: int, block: int, batch: int, mode: Mode, wa
 
     plain_model, plain_opt = make()
     guarded_model, guarded_opt = make()
-    guard = Guard(guarded_model, guarded_opt, lm_loss, node=ctx.node,
-                  config=GuardConfig(verify_every=10, weights_every=10, mode=mode))
+    guard = Guard(
+        guarded_model,
+        guarded_opt,
+        lm_loss,
+        node=ctx.node,
+        config=GuardConfig(verify_every=10, weights_every=10, mode=mode),
+    )
     batches = [synthetic_batch(MODEL, step=s, rank=ctx.rank, batch=batch) for s in range(block)]
 
     def plain_step(b: dict[str, torch.Tensor]) -> None:
@@ -83,8 +88,13 @@ def _bench(ctx: RankContext, rounds: int, block: int, batch: int, mode: Mode, wa
             (verify_extra if i % 10 == 0 else ordinary_extra).append(tg - tp)
         plain_t.append(p)
         guarded_t.append(g)
-    return {"plain": plain_t, "guarded": guarded_t, "threads": torch.get_num_threads(),
-            "verify_extra": verify_extra, "ordinary_extra": ordinary_extra}
+    return {
+        "plain": plain_t,
+        "guarded": guarded_t,
+        "threads": torch.get_num_threads(),
+        "verify_extra": verify_extra,
+        "ordinary_extra": ordinary_extra,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,8 +106,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args(argv)
-    out = run_local(_bench, node_names(2, 1), args=(args.rounds, args.block, args.batch, args.mode, args.warmup),
-                    timeout=3600)[0]
+    out = run_local(
+        _bench,
+        node_names(2, 1),
+        args=(args.rounds, args.block, args.batch, args.mode, args.warmup),
+        timeout=3600,
+    )[0]
     ratios = [g / p for g, p in zip(out["guarded"], out["plain"])]
     step_ms = statistics.median(out["plain"]) / args.block * 1e3
     summary = {

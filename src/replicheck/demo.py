@@ -13,18 +13,19 @@ import dataclasses
 import json
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, TextIO
+from typing import Any, TextIO
 
-from replicheck.checkpoint import CheckpointStore
-from replicheck.controller import Controller, ControllerConfig, LocalBackend
 from replicheck.campaign.runner import resolve
 from replicheck.campaign.scenarios import JobDefaults, Scenario, default_scenarios, select
+from replicheck.checkpoint import CheckpointStore
+from replicheck.controller import Controller, ControllerConfig, LocalBackend
 from replicheck.guard import GuardConfig
-from replicheck.incident import Incident, write_incident
 from replicheck.harness.jobs import JobResult, JobSpec, train
 from replicheck.harness.launch import run_local
+from replicheck.incident import Incident, write_incident
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -96,9 +97,13 @@ def run_demo(config: DemoConfig, out: TextIO = sys.stdout) -> dict[str, Any]:
     t_job = time.monotonic()
     say("train", f"job demo-job starts on {', '.join(plan.names)}")
     first = run_local(train, plan.ranks_nodes, args=(plan.spec,), timeout=900)
-    facts: dict[str, Any] = {"scenario": plan.scenario.name, "nodes": plan.names, "spares": spare_names,
-                             "fault_rank": plan.fault_rank,
-                             "fault_node": plan.ranks_nodes[plan.fault_rank] if plan.fault_rank is not None else None}
+    facts: dict[str, Any] = {
+        "scenario": plan.scenario.name,
+        "nodes": plan.names,
+        "spares": spare_names,
+        "fault_rank": plan.fault_rank,
+        "fault_node": plan.ranks_nodes[plan.fault_rank] if plan.fault_rank is not None else None,
+    }
     if first[0].incident is None:
         _undetected(plan, say, first, facts)
         return _finish(plan.root, say, facts, config, first, None)
@@ -114,11 +119,23 @@ def run_demo(config: DemoConfig, out: TextIO = sys.stdout) -> dict[str, Any]:
 
     second, replaced, resume_s = _resume(plan, say, incident, requests[-1])
     equal = _states_equal(second, _clean_run(say, plan.spec, plan.guard, plan.job, plan.ranks_nodes))
-    say("proof", ("final weights are bit-for-bit identical to a clean run of the same length"
-                  if equal else "final weights DIFFER from the clean run"))
-    facts.update(resumed_from=second[0].resumed_from, final_step=second[0].last_step, final_equal=equal,
-                 replacement=replaced, first_job_s=round(first_job_s, 1), resume_s=round(resume_s, 1),
-                 recomputed_steps=(incident.step - (second[0].resumed_from or 0) - 1))
+    say(
+        "proof",
+        (
+            "final weights are bit-for-bit identical to a clean run of the same length"
+            if equal
+            else "final weights DIFFER from the clean run"
+        ),
+    )
+    facts.update(
+        resumed_from=second[0].resumed_from,
+        final_step=second[0].last_step,
+        final_equal=equal,
+        replacement=replaced,
+        first_job_s=round(first_job_s, 1),
+        resume_s=round(resume_s, 1),
+        recomputed_steps=(incident.step - (second[0].resumed_from or 0) - 1),
+    )
     return _finish(plan.root, say, facts, config, first, second)
 
 
@@ -138,19 +155,35 @@ def _prepare(config: DemoConfig, say: _Printer) -> _Plan:
     if job.spec.guard is None:
         raise ValueError(f"scenario {scenario.name!r} runs no guard")
     guard = dataclasses.replace(job.spec.guard, incident_dir=str(root / "incidents"), job_id="demo-job")
-    spec = dataclasses.replace(job.spec, guard=guard, checkpoint_dir=str(root / "checkpoints"),
-                               checkpoint_every=config.checkpoint_every, stop_step=config.steps, keep_state=True,
-                               report_every=5)
+    spec = dataclasses.replace(
+        job.spec,
+        guard=guard,
+        checkpoint_dir=str(root / "checkpoints"),
+        checkpoint_every=config.checkpoint_every,
+        stop_step=config.steps,
+        keep_state=True,
+        report_every=5,
+    )
     fault = job.fault
     fault_rank = fault.rank if fault is not None and fault.rank is not None else None
-    say("cluster", f"{job.nodes} nodes x {per} rank(s) ({', '.join(names)}) + {config.spares} spare; "
+    say(
+        "cluster",
+        f"{job.nodes} nodes x {per} rank(s) ({', '.join(names)}) + {config.spares} spare; "
         f"DDP/gloo, guard {job.mode} mode, replay every {job.verify_every}, weights every {job.weights_every}, "
-        f"checkpoint every {config.checkpoint_every}")
+        f"checkpoint every {config.checkpoint_every}",
+    )
     if fault is not None and fault_rank is not None:
-        say("fault", f"{scenario.title}: rank {fault_rank} on {ranks_nodes[fault_rank]} "
-            f"({fault.describe()})")
-    return _Plan(root=root, scenario=scenario, job=job, names=names, ranks_nodes=ranks_nodes, spec=spec,
-                 guard=guard, fault_rank=fault_rank)
+        say("fault", f"{scenario.title}: rank {fault_rank} on {ranks_nodes[fault_rank]} ({fault.describe()})")
+    return _Plan(
+        root=root,
+        scenario=scenario,
+        job=job,
+        names=names,
+        ranks_nodes=ranks_nodes,
+        spec=spec,
+        guard=guard,
+        fault_rank=fault_rank,
+    )
 
 
 def _cluster(plan: _Plan, config: DemoConfig) -> tuple[LocalBackend, list[str]]:
@@ -170,8 +203,12 @@ def _undetected(plan: _Plan, say: _Printer, first: list[JobResult], facts: dict[
     equal = None
     if plan.job.fault is not None:
         equal = _states_equal(first, _clean_run(say, plan.spec, plan.guard, plan.job, plan.ranks_nodes))
-        say("proof", "final weights equal a clean run's: the fault changed nothing" if equal else
-            "final weights DIFFER from a clean run: the fault went undetected (see the scenario's note)")
+        say(
+            "proof",
+            "final weights equal a clean run's: the fault changed nothing"
+            if equal
+            else "final weights DIFFER from a clean run: the fault went undetected (see the scenario's note)",
+        )
     facts.update(detected=False, final_equal=equal, note=plan.scenario.note)
 
 
@@ -180,27 +217,39 @@ def _recommend(plan: _Plan, say: _Printer, incident: Incident) -> Incident:
     incident = CheckpointStore(plan.root / "checkpoints").annotate(incident)
     write_incident(incident, plan.root / "incidents")
     rc = incident.recommended_checkpoint or {}
-    say("incident", f"step {incident.step}: check {incident.check!r} names rank(s) {list(incident.suspect_ranks)} "
+    say(
+        "incident",
+        f"step {incident.step}: check {incident.check!r} names rank(s) {list(incident.suspect_ranks)} "
         f"on {list(incident.suspect_nodes)} ({incident.classification}); update of step {incident.step} "
         f"NOT applied; last passing verification {incident.last_verified_step}; "
-        f"recommended checkpoint: step {rc.get('step')}", incident=incident.to_dict())
+        f"recommended checkpoint: step {rc.get('step')}",
+        incident=incident.to_dict(),
+    )
     return incident
 
 
-def _control(plan: _Plan, say: _Printer, backend: LocalBackend, incident: Incident,
-             config: DemoConfig) -> tuple[list[dict[str, Any]], list[Any]]:
+def _control(
+    plan: _Plan, say: _Printer, backend: LocalBackend, incident: Incident, config: DemoConfig
+) -> tuple[list[dict[str, Any]], list[Any]]:
     """The controller cordons, triages and, once approved, replaces: ``(transitions, resume requests)``."""
     for n in incident.suspect_nodes:
         backend.set_healthy(n, False)  # the simulated bad hardware also fails its self-test
-    ctl_cfg = ControllerConfig(apply=True, auto_approve=False, triage_persistent=True,
-                               incident_dirs=(str(plan.root / "incidents"),), retry_base_delay_s=0.0)
+    ctl_cfg = ControllerConfig(
+        apply=True,
+        auto_approve=False,
+        triage_persistent=True,
+        incident_dirs=(str(plan.root / "incidents"),),
+        retry_base_delay_s=0.0,
+    )
     transitions: list[dict[str, Any]] = []
 
     def on_transition(t: Any) -> None:
         transitions.append({"from": t.from_state.value, "to": t.to_state.value, "reason": t.reason})
         say("controller", f"{t.from_state.value} -> {t.to_state.value}: {t.reason}")
 
-    with Controller(plan.root / "controller.db", backend=backend, config=ctl_cfg, on_transition=on_transition) as ctl:
+    with Controller(
+        plan.root / "controller.db", backend=backend, config=ctl_cfg, on_transition=on_transition
+    ) as ctl:
         ctl.ingest_dir(plan.root / "incidents")
         _settle(ctl)
         record = next(r for r in ctl.records() if r.incident_id == incident.id)
@@ -211,10 +260,13 @@ def _control(plan: _Plan, say: _Printer, backend: LocalBackend, incident: Incide
 
 
 def _approve(ctl: Controller, say: _Printer, incident: Incident, config: DemoConfig) -> None:
-    prompt = (f"Replace node(s) {', '.join(incident.suspect_nodes)} (incident {incident.id})? [y/N] ")
+    prompt = f"Replace node(s) {', '.join(incident.suspect_nodes)} (incident {incident.id})? [y/N] "
     if config.approve is None:
-        say("approval", f"no person at the terminal: approved automatically as {config.approver!r} "
-            "(run interactively to be asked)")
+        say(
+            "approval",
+            f"no person at the terminal: approved automatically as {config.approver!r} "
+            "(run interactively to be asked)",
+        )
         ctl.approve(incident.id, by=config.approver)
     elif config.approve(prompt):
         ctl.approve(incident.id, by=config.approver)
@@ -222,14 +274,20 @@ def _approve(ctl: Controller, say: _Printer, incident: Incident, config: DemoCon
         ctl.dismiss(incident.id, by=config.approver)
 
 
-def _resume(plan: _Plan, say: _Printer, incident: Incident, req: Any) -> tuple[list[JobResult], dict[str, str], float]:
+def _resume(
+    plan: _Plan, say: _Printer, incident: Incident, req: Any
+) -> tuple[list[JobResult], dict[str, str], float]:
     """The job again on the replacement nodes, from the recommended checkpoint."""
     replaced = dict(zip(incident.suspect_nodes, [n for n in req.nodes if n not in plan.names]))
     new_nodes = [replaced.get(n, n) for n in plan.ranks_nodes]
-    say("resume", f"job {req.job_id} resumes from checkpoint step {(req.checkpoint or {}).get('step')} on "
-        f"{', '.join(dict.fromkeys(new_nodes))} (excluded: {', '.join(req.exclude) or 'none'})")
-    resumed_spec = dataclasses.replace(plan.spec, setup=_clean_setup(plan.job), resume=True,
-                                       resume_incident=incident.to_json())
+    say(
+        "resume",
+        f"job {req.job_id} resumes from checkpoint step {(req.checkpoint or {}).get('step')} on "
+        f"{', '.join(dict.fromkeys(new_nodes))} (excluded: {', '.join(req.exclude) or 'none'})",
+    )
+    resumed_spec = dataclasses.replace(
+        plan.spec, setup=_clean_setup(plan.job), resume=True, resume_incident=incident.to_json()
+    )
     t_resume = time.monotonic()
     second = run_local(train, new_nodes, args=(resumed_spec,), timeout=900)
     resume_s = time.monotonic() - t_resume
@@ -237,11 +295,18 @@ def _resume(plan: _Plan, say: _Printer, incident: Incident, req: Any) -> tuple[l
     return second, replaced, resume_s
 
 
-def _clean_run(say: _Printer, spec: JobSpec, guard: GuardConfig, job: Any, nodes: list[str]) -> list[JobResult]:
+def _clean_run(
+    say: _Printer, spec: JobSpec, guard: GuardConfig, job: Any, nodes: list[str]
+) -> list[JobResult]:
     """The same job without the fault, from scratch, for the bit-for-bit comparison."""
     say("reference", "training a clean run of the same length for the bit-for-bit comparison")
-    clean_spec = dataclasses.replace(spec, setup=_clean_setup(job), checkpoint_dir=None, report_every=0,
-                                     guard=dataclasses.replace(guard, incident_dir=None))
+    clean_spec = dataclasses.replace(
+        spec,
+        setup=_clean_setup(job),
+        checkpoint_dir=None,
+        report_every=0,
+        guard=dataclasses.replace(guard, incident_dir=None),
+    )
     return run_local(train, nodes, args=(clean_spec,), timeout=900)
 
 
@@ -271,8 +336,14 @@ def _states_equal(a: list[JobResult], b: list[JobResult]) -> bool:
     return True
 
 
-def _finish(root: Path, say: _Printer, facts: dict[str, Any], config: DemoConfig,
-            first: list[JobResult], second: list[JobResult] | None) -> dict[str, Any]:
+def _finish(
+    root: Path,
+    say: _Printer,
+    facts: dict[str, Any],
+    config: DemoConfig,
+    first: list[JobResult],
+    second: list[JobResult] | None,
+) -> dict[str, Any]:
     facts["summary"] = _summary(facts)
     say("summary", facts["summary"])
     facts["timeline"] = say.timeline
@@ -281,36 +352,58 @@ def _finish(root: Path, say: _Printer, facts: dict[str, Any], config: DemoConfig
     facts["png"] = str(png) if png else None
     path = root / "demo.json"
     path.write_text(json.dumps(facts, indent=2, default=str))
-    say("files", f"{path}, {root / 'incidents'}" + (f", {png}" if png else " (pip install 'replicheck[plot]' for the PNG)"))
+    say(
+        "files",
+        f"{path}, {root / 'incidents'}"
+        + (f", {png}" if png else " (pip install 'replicheck[plot]' for the PNG)"),
+    )
     return facts
 
 
 def _summary(f: dict[str, Any]) -> str:
     if not f.get("detected"):
         if f.get("final_equal") is False:
-            return ("No incident was raised, and the final weights differ from a clean run: this fault "
-                    f"went undetected. {f.get('note', '')}".strip())
+            return (
+                "No incident was raised, and the final weights differ from a clean run: this fault "
+                f"went undetected. {f.get('note', '')}".strip()
+            )
         return "No incident was raised in this scenario, and nothing was lost."
     inc = f["incident"]
     onset = 23 if f["scenario"].startswith("aws") else None
-    applied = f"steps {onset}-{inc['step'] - 1} were applied before detection, as in the reference; " if onset else ""
-    equal = {True: "the final weights equal a clean run's bit for bit", False: "the final weights differ from a clean run",
-             None: "the job was not resumed"}[f.get("final_equal")]
-    cost = f" Resume cost: {f.get('recomputed_steps')} steps recomputed from checkpoint {f.get('resumed_from')}." \
-        if f.get("resumed_from") is not None else ""
-    return (f"Published reference (AWS HyperPod method): persistent fault from step 23 caught at step 30, steps "
-            f"23-29 applied. Here: caught at step {inc['step']} by the {inc['check']} check, rank "
-            f"{inc['suspect_ranks']} on {inc['suspect_nodes']} named ({inc['classification']}), "
-            f"step {inc['step']}'s update withheld; {applied}the controller cordoned, triaged and replaced the "
-            f"node after approval, and {equal}.{cost}")
+    applied = (
+        f"steps {onset}-{inc['step'] - 1} were applied before detection, as in the reference; "
+        if onset
+        else ""
+    )
+    equal = {
+        True: "the final weights equal a clean run's bit for bit",
+        False: "the final weights differ from a clean run",
+        None: "the job was not resumed",
+    }[f.get("final_equal")]
+    cost = (
+        f" Resume cost: {f.get('recomputed_steps')} steps recomputed from checkpoint {f.get('resumed_from')}."
+        if f.get("resumed_from") is not None
+        else ""
+    )
+    return (
+        f"Published reference (AWS HyperPod method): persistent fault from step 23 caught at step 30, steps "
+        f"23-29 applied. Here: caught at step {inc['step']} by the {inc['check']} check, rank "
+        f"{inc['suspect_ranks']} on {inc['suspect_nodes']} named ({inc['classification']}), "
+        f"step {inc['step']}'s update withheld; {applied}the controller cordoned, triaged and replaced the "
+        f"node after approval, and {equal}.{cost}"
+    )
 
 
-def _plot(root: Path, facts: dict[str, Any], first: list[JobResult], second: list[JobResult] | None) -> Path | None:
+def _plot(
+    root: Path, facts: dict[str, Any], first: list[JobResult], second: list[JobResult] | None
+) -> Path | None:
     from replicheck.campaign import plots
 
     if not plots.available():
         return None
-    steps = max([max(first[0].losses, default=-1)] + ([max(second[0].losses, default=-1)] if second else [])) + 1
+    steps = (
+        max([max(first[0].losses, default=-1)] + ([max(second[0].losses, default=-1)] if second else [])) + 1
+    )
     series = {}
     for r in first:
         vals: list[float | None] = [None] * steps
@@ -318,9 +411,15 @@ def _plot(root: Path, facts: dict[str, Any], first: list[JobResult], second: lis
             vals[s] = v
         series[str(r.rank)] = vals
     inc = facts.get("incident") or {}
-    row = {"name": facts["scenario"], "title": "demo: first run (before the incident)", "losses": series,
-           "fault_rank": facts.get("fault_rank"), "verified_steps": first[0].verified_steps,
-           "onset": 23 if facts["scenario"].startswith("aws") else None, "detected_at": inc.get("step"),
-           "check": inc.get("check"),
-           "applied_corrupted": [23, inc["step"] - 1] if inc and facts["scenario"].startswith("aws") else None}
+    row = {
+        "name": facts["scenario"],
+        "title": "demo: first run (before the incident)",
+        "losses": series,
+        "fault_rank": facts.get("fault_rank"),
+        "verified_steps": first[0].verified_steps,
+        "onset": 23 if facts["scenario"].startswith("aws") else None,
+        "detected_at": inc.get("step"),
+        "check": inc.get("check"),
+        "applied_corrupted": [23, inc["step"] - 1] if inc and facts["scenario"].startswith("aws") else None,
+    }
     return plots.timeline(row, root / "timeline.png")

@@ -15,7 +15,8 @@ collective.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Literal, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Literal
 
 import torch
 

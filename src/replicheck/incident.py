@@ -13,9 +13,10 @@ import math
 import os
 import re
 import tempfile
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Any, Literal
 
 from replicheck.timefmt import utc_iso
 
@@ -32,7 +33,9 @@ CLASSIFICATIONS: tuple[Classification, ...] = ("persistent", "transient", "ambig
 # a value can reach a scheduler's argv or a terminal without quoting or escaping.
 NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 """A node name: one plain host name, never a hostlist expression, option or ``key=value``."""
-JOB_ID = re.compile(r"(?=[^/]{1,128}(?:/[^/]{1,128})?\Z)[A-Za-z0-9][A-Za-z0-9._+-]*(?:/[A-Za-z0-9][A-Za-z0-9._+-]*)?")
+JOB_ID = re.compile(
+    r"(?=[^/]{1,128}(?:/[^/]{1,128})?\Z)[A-Za-z0-9][A-Za-z0-9._+-]*(?:/[A-Za-z0-9][A-Za-z0-9._+-]*)?"
+)
 """A job id (a Slurm id such as ``123``, ``123_4``, ``123+0``, a name given to the guard, or a
 Kubernetes ``namespace/name``: at most one ``/``, each side starting with a letter or digit)."""
 INCIDENT_ID = re.compile(r"(?=.{1,320}\Z)[A-Za-z0-9][A-Za-z0-9._:+-]*(?:/[A-Za-z0-9][A-Za-z0-9._:+-]*)?")
@@ -201,8 +204,11 @@ def validate_incident(incident: Incident, *, now: _dt.datetime | None = None) ->
     IncidentFormatError naming the first violation. What the controller acts on passed this."""
     _match(INCIDENT_ID, incident.id, "id")
     _match(JOB_ID, incident.job_id, "job_id")
-    for number, name in ((incident.step, "step"), (incident.world_size, "world_size"),
-                         (incident.last_verified_step, "last_verified_step")):
+    for number, name in (
+        (incident.step, "step"),
+        (incident.world_size, "world_size"),
+        (incident.last_verified_step, "last_verified_step"),
+    ):
         if number is not None and not 0 <= number <= MAX_STEP:
             raise IncidentFormatError(f"field {name!r} is out of range")
     if incident.world_size < 1:
@@ -234,7 +240,7 @@ def validate_incident(incident: Incident, *, now: _dt.datetime | None = None) ->
     when = _dt.datetime.fromisoformat(incident.time)
     if when.utcoffset() is None:
         raise IncidentFormatError(f"field 'time' needs a UTC offset: {incident.time!r}")
-    reference = now or _dt.datetime.now(_dt.timezone.utc)
+    reference = now or _dt.datetime.now(_dt.UTC)
     if when - reference > MAX_TIME_SKEW:
         raise IncidentFormatError(f"field 'time' is too far in the future: {incident.time!r}")
 
@@ -269,7 +275,9 @@ def _encodable(text: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise IncidentFormatError("incident holds a string that is not valid Unicode (lone surrogate)") from exc
+        raise IncidentFormatError(
+            "incident holds a string that is not valid Unicode (lone surrogate)"
+        ) from exc
 
 
 def json_safe(value: Any) -> Any:
@@ -360,7 +368,8 @@ def _req_classification(data: Mapping[str, Any]) -> Classification:
         if value == choice:
             return choice
     raise IncidentFormatError(
-        f"field 'classification' must be one of {', '.join(CLASSIFICATIONS)}; got {_short(value)}")
+        f"field 'classification' must be one of {', '.join(CLASSIFICATIONS)}; got {_short(value)}"
+    )
 
 
 def _short(value: Any) -> str:

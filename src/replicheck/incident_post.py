@@ -14,9 +14,9 @@ import random
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Mapping
 
 from replicheck.incident import Incident, write_incident
 
@@ -70,7 +70,9 @@ class PostConfig:
         token_file = env.get("REPLICHECK_JOB_TOKEN_FILE")
         if not token_file:
             raise PostConfigError("REPLICHECK_CONTROLLER_URL is set but REPLICHECK_JOB_TOKEN_FILE is not")
-        return cls(url=url, token=read_token(token_file), fallback_dir=env.get("REPLICHECK_INCIDENT_FALLBACK_DIR"))
+        return cls(
+            url=url, token=read_token(token_file), fallback_dir=env.get("REPLICHECK_INCIDENT_FALLBACK_DIR")
+        )
 
 
 @dataclass(frozen=True)
@@ -103,8 +105,9 @@ def read_token(path: str | os.PathLike[str]) -> str:
     raise PostConfigError(f"{p}: no token in the file")
 
 
-def post_incident(incident: Incident, config: PostConfig, *,
-                  sleep: Callable[[float], None] = time.sleep) -> PostResult:
+def post_incident(
+    incident: Incident, config: PostConfig, *, sleep: Callable[[float], None] = time.sleep
+) -> PostResult:
     """Post ``incident``; on final failure write it to ``config.fallback_dir``. Never raises
     for network or server trouble (the result says what happened)."""
     body = incident.to_json().encode("utf-8")
@@ -115,8 +118,12 @@ def post_incident(incident: Incident, config: PostConfig, *,
     for attempt in range(config.attempts):
         made = attempt + 1
         retry_after: float | None = None
-        request = urllib.request.Request(endpoint, data=body, method="POST", headers={
-            "Content-Type": "application/json", "Authorization": f"Bearer {config.token}"})
+        request = urllib.request.Request(
+            endpoint,
+            data=body,
+            method="POST",
+            headers={"Content-Type": "application/json", "Authorization": f"Bearer {config.token}"},
+        )
         try:
             with urllib.request.urlopen(request, timeout=config.timeout_s) as response:
                 return PostResult(True, made, status=response.status)
@@ -130,7 +137,7 @@ def post_incident(incident: Incident, config: PostConfig, *,
             reason = getattr(exc, "reason", exc)
             error = f"cannot reach {endpoint}: {reason}"
         if attempt + 1 < config.attempts:
-            delay = min(config.max_delay_s, config.base_delay_s * 2 ** attempt)
+            delay = min(config.max_delay_s, config.base_delay_s * 2**attempt)
             delay = random.uniform(delay / 2, delay)  # jitter: ranks of one job do not retry in step
             if retry_after is not None:
                 delay = max(delay, min(retry_after, config.max_delay_s))

@@ -16,7 +16,8 @@ import os
 import threading
 import time
 from collections import Counter
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from replicheck.guard import Guard, StepResult
@@ -51,8 +52,9 @@ class TrainingMetrics:
         except CorruptionDetected as exc:
             self.record_mismatch(exc.incident.check, self._clock() - start)
             raise
-        self.record_step(verified=result.verified, replicas_checked=result.replicas_checked,
-                         seconds=self._clock() - start)
+        self.record_step(
+            verified=result.verified, replicas_checked=result.replicas_checked, seconds=self._clock() - start
+        )
         return result
 
     def record_step(self, *, verified: bool, replicas_checked: bool, seconds: float) -> None:
@@ -72,8 +74,12 @@ class TrainingMetrics:
     def snapshot(self) -> dict[str, Any]:
         """The counts as plain data (no prometheus-client needed)."""
         with self._lock:
-            return {"steps": dict(self._steps), "step_seconds": dict(self._seconds),
-                    "replica_checks": self._replica_checks, "mismatches": dict(self._mismatches)}
+            return {
+                "steps": dict(self._steps),
+                "step_seconds": dict(self._seconds),
+                "replica_checks": self._replica_checks,
+                "mismatches": dict(self._mismatches),
+            }
 
     # --- export (prometheus-client) ---------------------------------------------------------
 
@@ -83,8 +89,9 @@ class TrainingMetrics:
             try:
                 from prometheus_client import CollectorRegistry
             except ImportError as exc:
-                raise ImportError("exporting training metrics needs prometheus-client: "
-                                  "pip install 'replicheck[metrics]'") from exc
+                raise ImportError(
+                    "exporting training metrics needs prometheus-client: pip install 'replicheck[metrics]'"
+                ) from exc
             registry = CollectorRegistry(auto_describe=False)
             registry.register(_Collector(self))
             self._registry = registry
@@ -122,19 +129,31 @@ class _Collector:
 
         snap = self.metrics.snapshot()
         base = [self.metrics.job_id, str(self.metrics.rank)]
-        steps = CounterMetricFamily("replicheck_training_steps", "Guarded steps whose update was applied, by "
-                                    "kind (plain, verified: ran the ring replay)", labels=["job", "rank", "kind"])
-        seconds = CounterMetricFamily("replicheck_training_step_seconds", "Wall time in guarded steps, by kind "
-                                      "(plain, verified, stopped)", labels=["job", "rank", "kind"])
+        steps = CounterMetricFamily(
+            "replicheck_training_steps",
+            "Guarded steps whose update was applied, by kind (plain, verified: ran the ring replay)",
+            labels=["job", "rank", "kind"],
+        )
+        seconds = CounterMetricFamily(
+            "replicheck_training_step_seconds",
+            "Wall time in guarded steps, by kind (plain, verified, stopped)",
+            labels=["job", "rank", "kind"],
+        )
         for kind in ("plain", "verified"):
             steps.add_metric(base + [kind], snap["steps"].get(kind, 0))
         for kind in ("plain", "verified", "stopped"):
             seconds.add_metric(base + [kind], snap["step_seconds"].get(kind, 0.0))
-        replicas = CounterMetricFamily("replicheck_training_replica_checks", "Steps that compared weights and "
-                                       "optimizer state across replicas", labels=["job", "rank"])
+        replicas = CounterMetricFamily(
+            "replicheck_training_replica_checks",
+            "Steps that compared weights and optimizer state across replicas",
+            labels=["job", "rank"],
+        )
         replicas.add_metric(base, snap["replica_checks"])
-        mismatches = CounterMetricFamily("replicheck_training_mismatches", "Steps stopped by a failing check "
-                                         "(incidents), by the check that fired", labels=["job", "rank", "check"])
+        mismatches = CounterMetricFamily(
+            "replicheck_training_mismatches",
+            "Steps stopped by a failing check (incidents), by the check that fired",
+            labels=["job", "rank", "check"],
+        )
         for check, count in sorted(snap["mismatches"].items()):
             mismatches.add_metric(base + [check], count)
         yield from (steps, seconds, replicas, mismatches)

@@ -58,8 +58,10 @@ def run_selftest(config: SelftestConfig | None = None) -> SelftestResult:
     torch.use_deterministic_algorithms(True)
     try:
         gen = torch.Generator(device="cpu").manual_seed(cfg.seed)
-        weights = [(torch.randn(cfg.width, cfg.width, generator=gen) / cfg.width ** 0.5).to(device)
-                   .requires_grad_() for _ in range(cfg.depth)]
+        weights = [
+            (torch.randn(cfg.width, cfg.width, generator=gen) / cfg.width**0.5).to(device).requires_grad_()
+            for _ in range(cfg.depth)
+        ]
         x = torch.randn(cfg.batch, cfg.width, generator=gen).to(device)
         target = torch.randn(cfg.batch, cfg.width, generator=gen).to(device)
         h = hashlib.blake2b(digest_size=8)

@@ -10,7 +10,7 @@ Precision = Literal["seconds", "microseconds"]
 
 def utc_iso(t: _dt.datetime | None = None, *, timespec: Precision = "seconds") -> str:
     """``t`` (now when None) in UTC as ISO 8601 with ``+00:00``; a naive ``t`` is taken as local."""
-    when = _dt.datetime.now(_dt.timezone.utc) if t is None else t.astimezone(_dt.timezone.utc)
+    when = _dt.datetime.now(_dt.UTC) if t is None else t.astimezone(_dt.UTC)
     return when.isoformat(timespec=timespec)
 
 

@@ -63,8 +63,15 @@ class FakeGuard:
             raise self.fail
 
 
-def run_schedule(store: CheckpointStore, model: torch.nn.Module, opt: torch.optim.Optimizer, *, until: int,
-                 every: int = 5, verify_every: int = 10) -> dict[int, dict[str, torch.Tensor]]:
+def run_schedule(
+    store: CheckpointStore,
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    *,
+    until: int,
+    every: int = 5,
+    verify_every: int = 10,
+) -> dict[int, dict[str, torch.Tensor]]:
     """Train steps 1..until, saving every ``every`` steps as a guard verifying every
     ``verify_every`` would record it; return the model state saved at each step."""
     guard = FakeGuard(config=_Cfg(verify_every))
@@ -80,9 +87,17 @@ def run_schedule(store: CheckpointStore, model: torch.nn.Module, opt: torch.opti
 
 
 def incident(step: int, last_verified: int | None) -> Incident:
-    return Incident(id=f"job-s{step}-replay", job_id="job", step=step, check="replay", suspect_ranks=(1,),
-                    suspect_nodes=("node1",), classification="persistent", last_verified_step=last_verified,
-                    world_size=3)
+    return Incident(
+        id=f"job-s{step}-replay",
+        job_id="job",
+        step=step,
+        check="replay",
+        suspect_ranks=(1,),
+        suspect_nodes=("node1",),
+        classification="persistent",
+        last_verified_step=last_verified,
+        world_size=3,
+    )
 
 
 def flip_byte(path: Path, offset: int | None = None) -> None:

@@ -15,11 +15,14 @@ from replicheck.checkpoint.store import MANIFEST_NAME
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.mark.parametrize("manifest", [
-    "__NUL__",
-    b"[" * 5000 + b"]" * 5000,
-    b'{"a":' * 2000 + b"1" + b"}" * 2000,
-])
+@pytest.mark.parametrize(
+    "manifest",
+    [
+        "__NUL__",
+        b"[" * 5000 + b"]" * 5000,
+        b'{"a":' * 2000 + b"1" + b"}" * 2000,
+    ],
+)
 def test_hostile_manifest_skips_one_checkpoint(tmp_path: Path, manifest: object) -> None:
     """A NUL in a manifest field or a deeply nested manifest makes only that checkpoint unreadable."""
     model, opt = make()

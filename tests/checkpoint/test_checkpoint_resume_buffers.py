@@ -20,7 +20,9 @@ def _first_step_buffers(ctx: RankContext, start_step: int) -> tuple[int, list[fl
     torch.manual_seed(0)
     model = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    guard = Guard(model, opt, _loss, config=GuardConfig(start_step=start_step, probe_size=2), node=f"node{ctx.rank}")
+    guard = Guard(
+        model, opt, _loss, config=GuardConfig(start_step=start_step, probe_size=2), node=f"node{ctx.rank}"
+    )
     guard.step({"x": torch.randn(4, 4, generator=torch.Generator().manual_seed(ctx.rank))})
     bn: Any = model.module[1]
     return int(bn.num_batches_tracked), bn.running_mean.tolist()

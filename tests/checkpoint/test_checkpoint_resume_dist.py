@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
+from replicheck.campaign.runner import install_for_campaign
 from replicheck.checkpoint import CheckpointStore
 from replicheck.faults import Fault
-from replicheck.campaign.runner import install_for_campaign
 from replicheck.guard import GuardConfig
 from replicheck.harness.jobs import JobResult, JobSpec, train
 from replicheck.harness.launch import node_names, run_local
@@ -27,8 +27,11 @@ MODEL = DecoderConfig(d_model=32, n_layers=2, n_heads=4, seq_len=16)
 END = 33  # steps 0..32: the resumed part 21..32 includes the verification at step 30
 GUARD = GuardConfig(verify_every=10, weights_every=10)
 # Bad hardware on rank 1 from step 23, through the public injector.
-FAULT = functools.partial(install_for_campaign, noise=None,
-                          fault=Fault.at_forward("blocks.0.ffn").persistent(from_step=23).scale(2.0).on_rank(1))
+FAULT = functools.partial(
+    install_for_campaign,
+    noise=None,
+    fault=Fault.at_forward("blocks.0.ffn").persistent(from_step=23).scale(2.0).on_rank(1),
+)
 
 
 def _run(**kw: Any) -> list[JobResult]:
@@ -79,8 +82,12 @@ def test_incident_at_30_resume_point_is_20(scenario: Scenario) -> None:
 def test_resumed_run_matches_clean_run_bit_for_bit(scenario: Scenario, tmp_path: Path) -> None:
     """Restarted from the resume point without the fault, every rank's losses from step 21 on and its
     final weights equal the clean run's bit for bit (3-rank DDP on CPU)."""
-    resumed = _run(checkpoint_dir=_copy(scenario, tmp_path), checkpoint_every=5, resume=True,
-                   resume_incident=json.dumps(scenario.incident))
+    resumed = _run(
+        checkpoint_dir=_copy(scenario, tmp_path),
+        checkpoint_every=5,
+        resume=True,
+        resume_incident=json.dumps(scenario.incident),
+    )
     clean = scenario.clean
     for r in range(3):
         assert resumed[r].resumed_from == 20 and resumed[r].incident is None
@@ -91,13 +98,19 @@ def test_resumed_run_matches_clean_run_bit_for_bit(scenario: Scenario, tmp_path:
 
 
 @pytest.mark.timeout(200)
-def test_fault_persisting_after_resume_points_back_to_the_same_checkpoint(scenario: Scenario,
-                                                                         tmp_path: Path) -> None:
+def test_fault_persisting_after_resume_points_back_to_the_same_checkpoint(
+    scenario: Scenario, tmp_path: Path
+) -> None:
     """Resumed on the still-faulty rank, the guard knows the lineage's last pass (20): the new incident
     at 30 again names step 20, never the abandoned timeline's checkpoint 25 or the new run's 25."""
     ckdir = _copy(scenario, tmp_path)
-    again = _run(checkpoint_dir=ckdir, checkpoint_every=5, resume=True,
-                 resume_incident=json.dumps(scenario.incident), setup=FAULT)
+    again = _run(
+        checkpoint_dir=ckdir,
+        checkpoint_every=5,
+        resume=True,
+        resume_incident=json.dumps(scenario.incident),
+        setup=FAULT,
+    )
     inc = again[0].incident
     assert again[0].resumed_from == 20 and inc is not None
     assert inc["step"] == 30 and inc["last_verified_step"] == 20

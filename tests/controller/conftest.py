@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any
 
 import pytest
 from ctlkit import Clock, Counting, cluster
@@ -33,4 +34,3 @@ def env(tmp_path: Path, clock: Clock) -> Iterator[Callable[..., tuple[Controller
     yield build
     for ctl in made:
         ctl.close()
-

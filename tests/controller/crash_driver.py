@@ -16,10 +16,19 @@ from replicheck.incident import Incident, NodeIdentity, Suspect
 
 def incident() -> Incident:
     cands = tuple(Suspect(rank=r, node=NodeIdentity(name=n)) for r, n in ((1, "n2"), (2, "n3")))
-    return Incident(id="job7-s50-gradients", job_id="job7", step=50, check="gradients", suspect_ranks=(),
-                    suspect_nodes=("n2", "n3"), classification="ambiguous", candidates=cands,
-                    recommended_checkpoint={"step": 40, "path": "/ck/40"}, world_size=4,
-                    time="2025-01-01T00:00:00+00:00")
+    return Incident(
+        id="job7-s50-gradients",
+        job_id="job7",
+        step=50,
+        check="gradients",
+        suspect_ranks=(),
+        suspect_nodes=("n2", "n3"),
+        classification="ambiguous",
+        candidates=cands,
+        recommended_checkpoint={"step": 40, "path": "/ck/40"},
+        world_size=4,
+        time="2025-01-01T00:00:00+00:00",
+    )
 
 
 class KillAfter:
@@ -53,8 +62,9 @@ def main() -> int:
         if point == f"state:{t.to_state.value}":
             os.kill(os.getpid(), signal.SIGKILL)
 
-    ctl = Controller(db, backend=backend, config=ControllerConfig(apply=True, return_poll_s=0),
-                     on_transition=on_transition)
+    ctl = Controller(
+        db, backend=backend, config=ControllerConfig(apply=True, return_poll_s=0), on_transition=on_transition
+    )
     inc = incident()
     ctl.ingest(inc)
     for _ in range(20):
@@ -66,9 +76,13 @@ def main() -> int:
             break
     record = ctl.store.get_record(inc.id)
     summary = {
-        "state": record.state.value, "targets": record.targets, "cordoned": record.cordoned,
-        "triage": [(t.node, t.passed) for t in record.triage], "approved_by": record.approved_by,
-        "replaced": record.replaced, "returned": record.returned,
+        "state": record.state.value,
+        "targets": record.targets,
+        "cordoned": record.cordoned,
+        "triage": [(t.node, t.passed) for t in record.triage],
+        "approved_by": record.approved_by,
+        "replaced": record.replaced,
+        "returned": record.returned,
         "nodes": [(n.name, n.state, n.reason, n.extra["role"]) for n in local.list_nodes()],
         "ops": local.op_counts(),
         "resumes": [(r.job_id, r.checkpoint, r.exclude, r.nodes) for r in local.resume_requests()],

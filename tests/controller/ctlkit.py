@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import datetime as dt
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from replicheck.controller import LocalBackend
 from replicheck.controller.errors import PermanentBackendError, TransientBackendError
@@ -13,19 +14,34 @@ from replicheck.incident import Incident, NodeIdentity, Suspect, make_incident_i
 
 
 def make_incident(
-    *, job: str = "job1", step: int = 40, check: str = "replay", nodes: tuple[str, ...] = ("n2",),
-    classification: str = "persistent", checkpoint_step: int | None = 30,
+    *,
+    job: str = "job1",
+    step: int = 40,
+    check: str = "replay",
+    nodes: tuple[str, ...] = ("n2",),
+    classification: str = "persistent",
+    checkpoint_step: int | None = 30,
 ) -> Incident:
     """An incident naming ``nodes`` (as suspects, or as candidates when ambiguous)."""
-    people = tuple(Suspect(rank=i, node=NodeIdentity(name=n, hostname=n, slurm_node=n)) for i, n in enumerate(nodes))
+    people = tuple(
+        Suspect(rank=i, node=NodeIdentity(name=n, hostname=n, slurm_node=n)) for i, n in enumerate(nodes)
+    )
     ambiguous = classification == "ambiguous"
     return Incident(
-        id=make_incident_id(job, step, check), job_id=job, step=step, check=check,  # type: ignore[arg-type]
-        suspect_ranks=() if ambiguous else tuple(range(len(nodes))), suspect_nodes=nodes,
+        id=make_incident_id(job, step, check),
+        job_id=job,
+        step=step,
+        check=check,  # type: ignore[arg-type]
+        suspect_ranks=() if ambiguous else tuple(range(len(nodes))),
+        suspect_nodes=nodes,
         classification=classification,  # type: ignore[arg-type]
-        suspects=() if ambiguous else people, candidates=people if ambiguous else (),
-        recommended_checkpoint=None if checkpoint_step is None else {"step": checkpoint_step, "path": f"/ck/{checkpoint_step}"},
-        world_size=4, last_verified_step=30,
+        suspects=() if ambiguous else people,
+        candidates=people if ambiguous else (),
+        recommended_checkpoint=None
+        if checkpoint_step is None
+        else {"step": checkpoint_step, "path": f"/ck/{checkpoint_step}"},
+        world_size=4,
+        last_verified_step=30,
     )
 
 
@@ -33,7 +49,7 @@ class Clock:
     """A clock the test moves by hand."""
 
     def __init__(self) -> None:
-        self.now = dt.datetime(2025, 1, 1, tzinfo=dt.timezone.utc)
+        self.now = dt.datetime(2025, 1, 1, tzinfo=dt.UTC)
 
     def __call__(self) -> dt.datetime:
         return self.now
@@ -68,7 +84,9 @@ class Counting:
         return call
 
 
-def cluster(db: Path, active: tuple[str, ...] = ("n1", "n2", "n3"), spares: tuple[str, ...] = ("s1",)) -> LocalBackend:
+def cluster(
+    db: Path, active: tuple[str, ...] = ("n1", "n2", "n3"), spares: tuple[str, ...] = ("s1",)
+) -> LocalBackend:
     backend = LocalBackend(db)
     for n in active:
         backend.add_node(n)

@@ -12,15 +12,37 @@ from __future__ import annotations
 import copy
 import json
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from ctlkit import make_incident
 
 HOSTILE_STRINGS = (
-    "n1:cordon", "-h", "--help", "node[1-4]", "n1,n2", "n1 state=idle", "a\nb", "a\rb", "\x1b[31mred",
-    "\x00", "", " ", "n\u0661", "\u0661\u0662", "ü", "a" * 300, "Comment=replicheck:x", "../../etc/passwd",
-    "$(reboot)", "`id`", "\ud800", "x\udfff", "\u202e", "\t",
+    "n1:cordon",
+    "-h",
+    "--help",
+    "node[1-4]",
+    "n1,n2",
+    "n1 state=idle",
+    "a\nb",
+    "a\rb",
+    "\x1b[31mred",
+    "\x00",
+    "",
+    " ",
+    "n\u0661",
+    "\u0661\u0662",
+    "ü",
+    "a" * 300,
+    "Comment=replicheck:x",
+    "../../etc/passwd",
+    "$(reboot)",
+    "`id`",
+    "\ud800",
+    "x\udfff",
+    "\u202e",
+    "\t",
 )
 
 
@@ -38,9 +60,13 @@ class Case:
 def _base(rng: random.Random, serial: int) -> dict[str, Any]:
     nodes = tuple(f"node{rng.randrange(64)}" for _ in range(rng.randint(1, 3)))
     nodes = tuple(dict.fromkeys(nodes))
-    inc = make_incident(job=f"job{serial}", step=rng.randrange(1, 10_000), nodes=nodes,
-                        classification=rng.choice(("persistent", "transient", "ambiguous")),
-                        checkpoint_step=rng.choice((None, 10, 20)))
+    inc = make_incident(
+        job=f"job{serial}",
+        step=rng.randrange(1, 10_000),
+        nodes=nodes,
+        classification=rng.choice(("persistent", "transient", "ambiguous")),
+        checkpoint_step=rng.choice((None, 10, 20)),
+    )
     data = inc.to_dict()
     data["world_size"] = max(4, len(nodes))
     return data
@@ -59,6 +85,7 @@ def _set(path: tuple[Any, ...], value: Any) -> Callable[[dict[str, Any]], None]:
         for key in path[:-1]:
             target = target[key]
         target[path[-1]] = value
+
     return apply
 
 
@@ -87,17 +114,44 @@ def _breaking(rng: random.Random, data: dict[str, Any]) -> tuple[str, Callable[[
         ("deep evidence", _set(("evidence",), {"x": _deep(rng.randint(40, 600))})),
         ("surrogate in evidence key", _set(("evidence",), {"\ud800": 1})),
         ("surrogate in hostname", _set((people, 0, "node", "hostname"), "h\udc80")),
-        ("checkpoint path", _set(("recommended_checkpoint",), {"step": 1, "path": rng.choice(
-            ("-rf", "a\x00b", "a\nb", "", "x\x1b"))})),
-        ("checkpoint step", _set(("recommended_checkpoint",), {"step": rng.choice(("5", -1, None, 1.0)),
-                                                               "path": "/ck"})),
+        (
+            "checkpoint path",
+            _set(
+                ("recommended_checkpoint",),
+                {"step": 1, "path": rng.choice(("-rf", "a\x00b", "a\nb", "", "x\x1b"))},
+            ),
+        ),
+        (
+            "checkpoint step",
+            _set(("recommended_checkpoint",), {"step": rng.choice(("5", -1, None, 1.0)), "path": "/ck"}),
+        ),
         ("naive time", _set(("time",), "2025-01-01T00:00:00")),
         ("future time", _set(("time",), "2999-01-01T00:00:00+00:00")),
         ("time garbage", _set(("time",), bad or "x")),
-        ("too many nodes", lambda d: d.update(
-            suspect_nodes=[f"n{i}" for i in range(d["world_size"] + 1 + rng.randrange(800))])),
-        ("missing field", lambda d: d.pop(rng.choice(("id", "job_id", "step", "check", "classification",
-                                                      "world_size", "time", "schema", "version")))),
+        (
+            "too many nodes",
+            lambda d: d.update(
+                suspect_nodes=[f"n{i}" for i in range(d["world_size"] + 1 + rng.randrange(800))]
+            ),
+        ),
+        (
+            "missing field",
+            lambda d: d.pop(
+                rng.choice(
+                    (
+                        "id",
+                        "job_id",
+                        "step",
+                        "check",
+                        "classification",
+                        "world_size",
+                        "time",
+                        "schema",
+                        "version",
+                    )
+                )
+            ),
+        ),
         ("wrong version", _set(("version",), rng.choice((0, 2, "1", None)))),
         ("suspects not list", _set((people,), {"0": 1})),
         ("evidence not object", _set(("evidence",), [1, 2])),
@@ -125,7 +179,7 @@ def _raw(rng: random.Random, text: bytes) -> tuple[str, bytes]:
         return "truncated", text[: rng.randrange(max(1, len(text) - 1))]
     if choice == 1:
         pos = rng.randrange(len(text))
-        return "byte flipped to invalid UTF-8", text[:pos] + b"\xff" + text[pos + 1:]
+        return "byte flipped to invalid UTF-8", text[:pos] + b"\xff" + text[pos + 1 :]
     if choice == 2:
         return "deep array", b"[" * rng.randint(900, 5000) + b"]" * rng.randint(0, 5000)
     if choice == 3:

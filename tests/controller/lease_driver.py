@@ -35,10 +35,18 @@ class Logged:
 def main() -> int:
     db, log = sys.argv[1], sys.argv[2]
     local = LocalBackend(db)
-    inc = Incident(id="job9-s5-replay", job_id="job9", step=5, check="replay", suspect_ranks=(1,),
-                   suspect_nodes=("n2",), classification="persistent",
-                   suspects=(Suspect(1, NodeIdentity(name="n2")),), world_size=4,
-                   recommended_checkpoint={"step": 4, "path": "/ck/4"})
+    inc = Incident(
+        id="job9-s5-replay",
+        job_id="job9",
+        step=5,
+        check="replay",
+        suspect_ranks=(1,),
+        suspect_nodes=("n2",),
+        classification="persistent",
+        suspects=(Suspect(1, NodeIdentity(name="n2")),),
+        world_size=4,
+        recommended_checkpoint={"step": 4, "path": "/ck/4"},
+    )
     config = ControllerConfig(apply=True, auto_approve=True, return_poll_s=0)
     with Controller(db, backend=Logged(local, log), config=config) as ctl:  # type: ignore[arg-type]
         ctl.ingest(inc)

@@ -19,8 +19,9 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
     env.pop("REPLICHECK_DB", None)
-    return subprocess.run([sys.executable, "-m", "replicheck", *args], capture_output=True, text=True,
-                          env=env, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "replicheck", *args], capture_output=True, text=True, env=env, timeout=timeout
+    )
 
 
 @pytest.mark.timeout(60)
@@ -39,8 +40,13 @@ def test_controller_never_imports_torch() -> None:
     import tempfile
 
     with tempfile.TemporaryDirectory() as d:
-        run = subprocess.run([sys.executable, "-c", code, os.path.join(d, "c.db")], capture_output=True,
-                             text=True, env=env, timeout=60)
+        run = subprocess.run(
+            [sys.executable, "-c", code, os.path.join(d, "c.db")],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+        )
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip().endswith("clean")
 
@@ -87,7 +93,11 @@ def test_bad_input_is_one_clear_line(tmp_path: Path) -> None:
     """Unknown incident, malformed file and invalid config each give one error line and exit 2 or 1, no traceback."""
     db = str(tmp_path / "c.db")
     unknown = cli("incidents", "approve", "nope", "--by", "x", "--db", db)
-    assert unknown.returncode == 2 and "no incident 'nope'" in unknown.stderr and "Traceback" not in unknown.stderr
+    assert (
+        unknown.returncode == 2
+        and "no incident 'nope'" in unknown.stderr
+        and "Traceback" not in unknown.stderr
+    )
     bad = tmp_path / "bad.json"
     bad.write_text("{")
     ingest = cli("incidents", "ingest", str(bad), "--db", db)

@@ -117,8 +117,12 @@ def test_dry_run_performs_nothing_destructive(env) -> None:
 
 def test_blast_radius_limits_replacements_per_window(env, clock) -> None:
     """With max_replacements=1 a second approved incident waits until the window has passed."""
-    ctl, backend, local = env(auto_approve=True, max_replacements=1, replacement_window_s=3600,
-                              cluster={"active": ("n1", "n2", "n3", "n4"), "spares": ("s1", "s2")})
+    ctl, backend, local = env(
+        auto_approve=True,
+        max_replacements=1,
+        replacement_window_s=3600,
+        cluster={"active": ("n1", "n2", "n3", "n4"), "spares": ("s1", "s2")},
+    )
     a, b = make_incident(step=10, nodes=("n2",)), make_incident(step=20, nodes=("n3",))
     ctl.ingest(a)
     ctl.ingest(b)
@@ -141,7 +145,9 @@ def test_never_cordon_last_schedulable_node_of_partition(env) -> None:
     ctl.reconcile()
     record = ctl.store.get_record(make_incident().id)
     assert record.state is State.AWAITING_APPROVAL
-    assert record.cordoned == () and record.cordon_skipped == (("n2", "last schedulable node of partition main"),)
+    assert record.cordoned == () and record.cordon_skipped == (
+        ("n2", "last schedulable node of partition main"),
+    )
     assert backend.calls["cordon"] == 0
     assert {n.name: n.state for n in local.list_nodes()}["n2"] == "idle"
 
@@ -204,7 +210,9 @@ def test_transitions_reach_callback_and_audit(env, tmp_path) -> None:
 
     seen = []
     ctl, backend, _ = env()
-    other = Controller(ctl.db_path, backend=backend, config=ControllerConfig(apply=True), on_transition=seen.append)
+    other = Controller(
+        ctl.db_path, backend=backend, config=ControllerConfig(apply=True), on_transition=seen.append
+    )
     other.ingest(make_incident())
     made = other.reconcile()
     other.close()

@@ -18,8 +18,13 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 
 def drive(db: Path, point: str = "") -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run([sys.executable, str(DRIVER), str(db), *([point] if point else [])],
-                          capture_output=True, text=True, env=env, timeout=60)
+    return subprocess.run(
+        [sys.executable, str(DRIVER), str(db), *([point] if point else [])],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +37,9 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 
 POINTS = [f"call:{k}" for k in ("cordon", "selftest", "uncordon", "replace", "await_return", "resume")] + [
-    f"state:{s}" for s in ("cordoned", "triaging", "awaiting_approval", "approved", "replacing", "replaced", "resumed")]
+    f"state:{s}"
+    for s in ("cordoned", "triaging", "awaiting_approval", "approved", "replacing", "replaced", "resumed")
+]
 
 
 @pytest.mark.timeout(120)

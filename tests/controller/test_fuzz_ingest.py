@@ -27,7 +27,7 @@ def fuzz(tmp_path: Path, seed: int, count: int) -> int:
     checked = 0
     with Controller(db, backend=local, config=config) as ctl:
         for start in range(0, len(cases), BATCH):
-            chunk = cases[start:start + BATCH]
+            chunk = cases[start : start + BATCH]
             inbox = tmp_path / f"inbox{start}"
             inbox.mkdir()
             for i, case in enumerate(chunk):

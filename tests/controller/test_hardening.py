@@ -27,7 +27,9 @@ def test_hostile_files_beside_a_valid_one(tmp_path: Path) -> None:
     good = make_incident()
     data = good.to_dict()
     (inbox / "deep.json").write_bytes(b"[" * 1000 + b"]" * 1000)
-    deep = json.dumps({**data, "id": "x-s1-replay"}).replace('"evidence": {}', '"evidence": {"e": ' + "[" * 500 + "]" * 500 + "}")
+    deep = json.dumps({**data, "id": "x-s1-replay"}).replace(
+        '"evidence": {}', '"evidence": {"e": ' + "[" * 500 + "]" * 500 + "}"
+    )
     (inbox / "evidence.json").write_text(deep)
     (inbox / "surrogate.json").write_text(json.dumps({**data, "id": "\ud800x"}))
     (inbox / os.fsdecode(b"bad\xff\x1b.json")).write_text("{}")
@@ -49,8 +51,17 @@ def test_hostile_node_name_is_rejected_at_ingest(env, name: str) -> None:  # typ
     """A node name outside the grammar (':' included) is rejected at ingest, through the API too, and nothing runs."""
     ctl, backend, _ = env()
     people = (Suspect(0, NodeIdentity(name=name)),)
-    inc = Incident(id="j-s1-replay", job_id="j", step=1, check="replay", suspect_ranks=(0,), suspect_nodes=(name,),
-                   classification="persistent", suspects=people, world_size=2)
+    inc = Incident(
+        id="j-s1-replay",
+        job_id="j",
+        step=1,
+        check="replay",
+        suspect_ranks=(0,),
+        suspect_nodes=(name,),
+        classification="persistent",
+        suspects=people,
+        world_size=2,
+    )
     result = ctl.ingest(inc)
     assert result.incident_id is None and "node name" in (result.rejected or "")
     ctl.reconcile()
@@ -84,16 +95,27 @@ def test_unreadable_file_is_retried_until_read(tmp_path: Path) -> None:
     path = write_incident(inc, inbox)
     path.chmod(0o000)
     db = tmp_path / "c.db"
-    code = ("import sys\nfrom replicheck.controller import Controller, ControllerConfig\n"
-            "with Controller(sys.argv[1], config=ControllerConfig(incident_dirs=(sys.argv[2],))) as c:\n"
-            "    r = c.ingest_dir(sys.argv[2]); print(r[0].incident_id, '|', r[0].rejected)\n")
+    code = (
+        "import sys\nfrom replicheck.controller import Controller, ControllerConfig\n"
+        "with Controller(sys.argv[1], config=ControllerConfig(incident_dirs=(sys.argv[2],))) as c:\n"
+        "    r = c.ingest_dir(sys.argv[2]); print(r[0].incident_id, '|', r[0].rejected)\n"
+    )
     # Root reads any file: when the test runs as root the controller runs without that capability.
-    drop = ["setpriv", "--bounding-set=-dac_override,-dac_read_search", "--inh-caps=-all"] if os.geteuid() == 0 else []
+    drop = (
+        ["setpriv", "--bounding-set=-dac_override,-dac_read_search", "--inh-caps=-all"]
+        if os.geteuid() == 0
+        else []
+    )
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src")}
 
     def ingest() -> str:
-        run = subprocess.run([*drop, sys.executable, "-c", code, str(db), str(inbox)], capture_output=True,
-                             text=True, env=env, timeout=60)
+        run = subprocess.run(
+            [*drop, sys.executable, "-c", code, str(db), str(inbox)],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+        )
         assert run.returncode == 0, run.stderr
         return run.stdout.strip()
 
@@ -116,8 +138,10 @@ def test_cancelled_replacement_does_not_run_in_the_same_pass(env) -> None:  # ty
     record = ctl.store.get_record(inc.id)
     assert record.state is State.FAILED and "refused" in record.reason
     assert backend.calls["replace"] == 1 and local.op_counts().get("replace", 0) == 0
-    assert {a.node: a.status for a in ctl.store.actions(inc.id) if a.kind.value == "replace"} == \
-        {"n1": "failed", "n2": "cancelled"}
+    assert {a.node: a.status for a in ctl.store.actions(inc.id) if a.kind.value == "replace"} == {
+        "n1": "failed",
+        "n2": "cancelled",
+    }
 
 
 def test_cordons_are_bounded_per_incident(env) -> None:  # type: ignore[no-untyped-def]
@@ -158,8 +182,9 @@ def test_suspects_beyond_world_size_are_rejected(env) -> None:  # type: ignore[n
     assert "not below world_size" in (ctl.ingest(bad_rank).rejected or "")
 
 
-@pytest.mark.parametrize("by", ["alice\napproved by mallory", "controller", "auto-approve", "-x", "a\tb",
-                                "alice\u202e", "a\rb"])
+@pytest.mark.parametrize(
+    "by", ["alice\napproved by mallory", "controller", "auto-approve", "-x", "a\tb", "alice\u202e", "a\rb"]
+)
 def test_forged_or_reserved_approver_names_are_refused(env, by: str) -> None:  # type: ignore[no-untyped-def]
     """--by with a newline, tab, control or non-ASCII character, an option-like or a reserved name is refused."""
     ctl, _, _ = env()
@@ -202,4 +227,8 @@ def test_output_is_strict_json_and_escaped(tmp_path: Path) -> None:
     data = json.loads(show.stdout, parse_constant=lambda c: pytest.fail(f"non-standard JSON {c}"))
     assert data["incident"]["evidence"]["loss"] == "NaN"
     listing = cli("incidents", "list", "--rejected", "--db", str(db))
-    assert "x\\x0d\\x1b[31m.json" in listing.stdout and "\r" not in listing.stdout and "\x1b" not in listing.stdout
+    assert (
+        "x\\x0d\\x1b[31m.json" in listing.stdout
+        and "\r" not in listing.stdout
+        and "\x1b" not in listing.stdout
+    )

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import datetime as dt
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import boto3
 import pytest
@@ -26,14 +27,24 @@ pytestmark = pytest.mark.timeout(60)
 
 CLUSTER = "ml-cluster"
 OLD, NEW, OTHER = "i-0123456789abcdef0", "i-0fedcba9876543210", "i-0aaaaaaaaaaaaaaaa"
-T0 = dt.datetime(2025, 1, 1, tzinfo=dt.timezone.utc)
+T0 = dt.datetime(2025, 1, 1, tzinfo=dt.UTC)
 
 
-def summary(iid: str, ip: str, status: str = "Running", group: str = "workers",
-            launched: dt.datetime = T0 - dt.timedelta(days=1)) -> dict[str, Any]:
-    return {"InstanceGroupName": group, "InstanceId": iid, "InstanceType": "ml.p5.48xlarge",
-            "LaunchTime": launched, "InstanceStatus": {"Status": status},
-            "PrivateDnsHostname": f"ip-{ip.replace('.', '-')}.ec2.internal"}
+def summary(
+    iid: str,
+    ip: str,
+    status: str = "Running",
+    group: str = "workers",
+    launched: dt.datetime = T0 - dt.timedelta(days=1),
+) -> dict[str, Any]:
+    return {
+        "InstanceGroupName": group,
+        "InstanceId": iid,
+        "InstanceType": "ml.p5.48xlarge",
+        "LaunchTime": launched,
+        "InstanceStatus": {"Status": status},
+        "PrivateDnsHostname": f"ip-{ip.replace('.', '-')}.ec2.internal",
+    }
 
 
 def cluster_page(*nodes: dict[str, Any], token: str | None = None) -> dict[str, Any]:
@@ -45,7 +56,9 @@ def cluster_page(*nodes: dict[str, Any], token: str | None = None) -> dict[str, 
 
 @pytest.fixture
 def sm() -> Iterator[tuple[Any, Stubber]]:
-    client = boto3.client("sagemaker", region_name="us-east-1", aws_access_key_id="x", aws_secret_access_key="x")
+    client = boto3.client(
+        "sagemaker", region_name="us-east-1", aws_access_key_id="x", aws_secret_access_key="x"
+    )
     with Stubber(client) as stub:
         yield client, stub
         stub.assert_no_pending_responses()
@@ -60,10 +73,14 @@ def expect_list(stub: Stubber, *nodes: dict[str, Any], **params: Any) -> None:
 
 
 def two_pages(stub: Stubber, status: str = "Running") -> None:
-    stub.add_response("list_cluster_nodes", cluster_page(summary(OTHER, "10.0.0.1"), token="t1"),
-                      {"ClusterName": CLUSTER})
-    stub.add_response("list_cluster_nodes", cluster_page(summary(OLD, "10.0.0.2", status)),
-                      {"ClusterName": CLUSTER, "NextToken": "t1"})
+    stub.add_response(
+        "list_cluster_nodes", cluster_page(summary(OTHER, "10.0.0.1"), token="t1"), {"ClusterName": CLUSTER}
+    )
+    stub.add_response(
+        "list_cluster_nodes",
+        cluster_page(summary(OLD, "10.0.0.2", status)),
+        {"ClusterName": CLUSTER, "NextToken": "t1"},
+    )
 
 
 # --- mapping ------------------------------------------------------------------------------------
@@ -92,7 +109,9 @@ def test_replace_calls_batch_replace_with_the_instance_id(sm: tuple[Any, Stubber
     """replace maps the node, sees it Running, and calls BatchReplaceClusterNodes with exactly its id."""
     client, stub = sm
     two_pages(stub)
-    stub.add_response("batch_replace_cluster_nodes", {"Successful": [OLD]}, {"ClusterName": CLUSTER, "NodeIds": [OLD]})
+    stub.add_response(
+        "batch_replace_cluster_nodes", {"Successful": [OLD]}, {"ClusterName": CLUSTER, "NodeIds": [OLD]}
+    )
     assert hp(client).replace("ip-10-0-0-2", "inc:replace:ip-10-0-0-2")["instance_id"] == OLD
 
 
@@ -100,7 +119,9 @@ def test_reboot_action_calls_batch_reboot(sm: tuple[Any, Stubber]) -> None:
     """action=reboot uses BatchRebootClusterNodes instead."""
     client, stub = sm
     two_pages(stub)
-    stub.add_response("batch_reboot_cluster_nodes", {"Successful": [OLD]}, {"ClusterName": CLUSTER, "NodeIds": [OLD]})
+    stub.add_response(
+        "batch_reboot_cluster_nodes", {"Successful": [OLD]}, {"ClusterName": CLUSTER, "NodeIds": [OLD]}
+    )
     assert "reboot of" in hp(client, action="reboot").replace("ip-10-0-0-2", "k")["detail"]
 
 
@@ -116,21 +137,33 @@ def test_in_use_answer_counts_as_already_requested(sm: tuple[Any, Stubber]) -> N
     """When the status still lags (Running) and the API answers InstanceIdInUse, the replacement is under way: success."""
     client, stub = sm
     two_pages(stub)
-    stub.add_response("batch_replace_cluster_nodes", {"Failed": [
-        {"NodeId": OLD, "ErrorCode": "InstanceIdInUse", "Message": "replacement in progress"}]},
-        {"ClusterName": CLUSTER, "NodeIds": [OLD]})
+    stub.add_response(
+        "batch_replace_cluster_nodes",
+        {"Failed": [{"NodeId": OLD, "ErrorCode": "InstanceIdInUse", "Message": "replacement in progress"}]},
+        {"ClusterName": CLUSTER, "NodeIds": [OLD]},
+    )
     assert "already under way" in hp(client).replace("ip-10-0-0-2", "k")["detail"]
 
 
-@pytest.mark.parametrize("code,error", [("InstanceIdNotFound", PermanentBackendError),
-                                        ("InvalidInstanceStatus", TransientBackendError),
-                                        ("InternalServerError", TransientBackendError)])
-def test_failed_entries_become_permanent_or_temporary(sm: tuple[Any, Stubber], code: str, error: type) -> None:
+@pytest.mark.parametrize(
+    "code,error",
+    [
+        ("InstanceIdNotFound", PermanentBackendError),
+        ("InvalidInstanceStatus", TransientBackendError),
+        ("InternalServerError", TransientBackendError),
+    ],
+)
+def test_failed_entries_become_permanent_or_temporary(
+    sm: tuple[Any, Stubber], code: str, error: type
+) -> None:
     """A per-node Failed entry becomes a permanent or temporary error by its code."""
     client, stub = sm
     two_pages(stub)
-    stub.add_response("batch_replace_cluster_nodes", {"Failed": [{"NodeId": OLD, "ErrorCode": code, "Message": "m"}]},
-                      {"ClusterName": CLUSTER, "NodeIds": [OLD]})
+    stub.add_response(
+        "batch_replace_cluster_nodes",
+        {"Failed": [{"NodeId": OLD, "ErrorCode": code, "Message": "m"}]},
+        {"ClusterName": CLUSTER, "NodeIds": [OLD]},
+    )
     with pytest.raises(error, match=code) as info:
         hp(client).replace("ip-10-0-0-2", "k")
     assert error is TransientBackendError or not isinstance(info.value, TransientBackendError)
@@ -140,24 +173,40 @@ def test_batches_hold_at_most_25_ids_and_report_partial_failures(sm: tuple[Any, 
     """27 ids go out as 25 + 2; only the Failed entries come back, keyed by id."""
     client, stub = sm
     ids = [f"i-{n:017x}" for n in range(27)]
-    stub.add_response("batch_replace_cluster_nodes", {"Successful": ids[1:25], "Failed": [
-        {"NodeId": ids[0], "ErrorCode": "InstanceIdNotFound", "Message": "gone"}]},
-        {"ClusterName": CLUSTER, "NodeIds": ids[:BATCH_LIMIT]})
-    stub.add_response("batch_replace_cluster_nodes", {"Successful": ids[25:]},
-                      {"ClusterName": CLUSTER, "NodeIds": ids[25:]})
+    stub.add_response(
+        "batch_replace_cluster_nodes",
+        {
+            "Successful": ids[1:25],
+            "Failed": [{"NodeId": ids[0], "ErrorCode": "InstanceIdNotFound", "Message": "gone"}],
+        },
+        {"ClusterName": CLUSTER, "NodeIds": ids[:BATCH_LIMIT]},
+    )
+    stub.add_response(
+        "batch_replace_cluster_nodes", {"Successful": ids[25:]}, {"ClusterName": CLUSTER, "NodeIds": ids[25:]}
+    )
     assert hp(client).request(ids) == {ids[0]: ("InstanceIdNotFound", "gone")}
 
 
-@pytest.mark.parametrize("code,status,error", [("ThrottlingException", 400, TransientBackendError),
-                                               ("ServiceUnavailable", 503, TransientBackendError),
-                                               ("AccessDeniedException", 400, PermanentBackendError),
-                                               ("ResourceNotFound", 400, PermanentBackendError)])
-def test_api_errors_map_to_permanent_or_temporary(sm: tuple[Any, Stubber], code: str, status: int,
-                                                  error: type) -> None:
+@pytest.mark.parametrize(
+    "code,status,error",
+    [
+        ("ThrottlingException", 400, TransientBackendError),
+        ("ServiceUnavailable", 503, TransientBackendError),
+        ("AccessDeniedException", 400, PermanentBackendError),
+        ("ResourceNotFound", 400, PermanentBackendError),
+    ],
+)
+def test_api_errors_map_to_permanent_or_temporary(
+    sm: tuple[Any, Stubber], code: str, status: int, error: type
+) -> None:
     """Throttling and 5xx are temporary; access denied and an unknown cluster are permanent."""
     client, stub = sm
-    stub.add_client_error("list_cluster_nodes", service_error_code=code, http_status_code=status,
-                          expected_params={"ClusterName": CLUSTER})
+    stub.add_client_error(
+        "list_cluster_nodes",
+        service_error_code=code,
+        http_status_code=status,
+        expected_params={"ClusterName": CLUSTER},
+    )
     with pytest.raises(error, match=code) as info:
         hp(client).replace("ip-10-0-0-2", "k")
     assert error is TransientBackendError or not isinstance(info.value, TransientBackendError)
@@ -167,9 +216,17 @@ def test_api_errors_map_to_permanent_or_temporary(sm: tuple[Any, Stubber], code:
 
 
 def describe(stub: Stubber, status: str) -> None:
-    stub.add_response("describe_cluster_node", {"NodeDetails": {
-        "InstanceId": OLD, "InstanceGroupName": "workers", "InstanceStatus": {"Status": status}}},
-        {"ClusterName": CLUSTER, "NodeId": OLD})
+    stub.add_response(
+        "describe_cluster_node",
+        {
+            "NodeDetails": {
+                "InstanceId": OLD,
+                "InstanceGroupName": "workers",
+                "InstanceStatus": {"Status": status},
+            }
+        },
+        {"ClusterName": CLUSTER, "NodeId": OLD},
+    )
 
 
 def test_replacement_is_awaited_until_a_new_instance_runs(sm: tuple[Any, Stubber]) -> None:
@@ -178,25 +235,47 @@ def test_replacement_is_awaited_until_a_new_instance_runs(sm: tuple[Any, Stubber
     clock = Clock()
     b = hp(client, clock)
     two_pages(stub)
-    stub.add_response("batch_replace_cluster_nodes", {"Successful": [OLD]}, {"ClusterName": CLUSTER, "NodeIds": [OLD]})
+    stub.add_response(
+        "batch_replace_cluster_nodes", {"Successful": [OLD]}, {"ClusterName": CLUSTER, "NodeIds": [OLD]}
+    )
     b.replace("ip-10-0-0-2", "k:replace")
     describe(stub, "ShuttingDown")
     with pytest.raises(NotYet, match="ShuttingDown"):
         b.await_return("ip-10-0-0-2", "k:await_return")
     clock.advance(300)
-    stub.add_client_error("describe_cluster_node", service_error_code="ResourceNotFound", http_status_code=400,
-                          expected_params={"ClusterName": CLUSTER, "NodeId": OLD})
-    expect_list(stub, summary(NEW, "10.0.0.7", "Pending", launched=T0 + dt.timedelta(seconds=60)),
-                InstanceGroupNameContains="workers", CreationTimeAfter=ANY)
+    stub.add_client_error(
+        "describe_cluster_node",
+        service_error_code="ResourceNotFound",
+        http_status_code=400,
+        expected_params={"ClusterName": CLUSTER, "NodeId": OLD},
+    )
+    expect_list(
+        stub,
+        summary(NEW, "10.0.0.7", "Pending", launched=T0 + dt.timedelta(seconds=60)),
+        InstanceGroupNameContains="workers",
+        CreationTimeAfter=ANY,
+    )
     with pytest.raises(NotYet, match="not Running yet"):
         b.await_return("ip-10-0-0-2", "k:await_return")
-    stub.add_client_error("describe_cluster_node", service_error_code="ResourceNotFound", http_status_code=400,
-                          expected_params={"ClusterName": CLUSTER, "NodeId": OLD})
-    expect_list(stub, summary(NEW, "10.0.0.7", "Running", launched=T0 + dt.timedelta(seconds=60)),
-                InstanceGroupNameContains="workers", CreationTimeAfter=ANY)
+    stub.add_client_error(
+        "describe_cluster_node",
+        service_error_code="ResourceNotFound",
+        http_status_code=400,
+        expected_params={"ClusterName": CLUSTER, "NodeId": OLD},
+    )
+    expect_list(
+        stub,
+        summary(NEW, "10.0.0.7", "Running", launched=T0 + dt.timedelta(seconds=60)),
+        InstanceGroupNameContains="workers",
+        CreationTimeAfter=ANY,
+    )
     result = b.await_return("ip-10-0-0-2", "k:await_return")
-    assert result == {"back": False, "replacement": "ip-10-0-0-7", "instance_id": NEW,
-                      "detail": f"ip-10-0-0-2 ({OLD}) replaced by ip-10-0-0-7 ({NEW})"}
+    assert result == {
+        "back": False,
+        "replacement": "ip-10-0-0-7",
+        "instance_id": NEW,
+        "detail": f"ip-10-0-0-2 ({OLD}) replaced by ip-10-0-0-7 ({NEW})",
+    }
 
 
 def test_reboot_is_back_only_after_the_status_moved(sm: tuple[Any, Stubber]) -> None:
@@ -204,7 +283,9 @@ def test_reboot_is_back_only_after_the_status_moved(sm: tuple[Any, Stubber]) -> 
     client, stub = sm
     b = hp(client, Clock(), action="reboot")
     two_pages(stub)
-    stub.add_response("batch_reboot_cluster_nodes", {"Successful": [OLD]}, {"ClusterName": CLUSTER, "NodeIds": [OLD]})
+    stub.add_response(
+        "batch_reboot_cluster_nodes", {"Successful": [OLD]}, {"ClusterName": CLUSTER, "NodeIds": [OLD]}
+    )
     b.replace("ip-10-0-0-2", "k")
     for status in ("Running", "Pending"):
         describe(stub, status)
@@ -219,7 +300,9 @@ def test_failed_instance_is_not_back(sm: tuple[Any, Stubber]) -> None:
     client, stub = sm
     b = hp(client, Clock())
     two_pages(stub)
-    stub.add_response("batch_replace_cluster_nodes", {"Successful": [OLD]}, {"ClusterName": CLUSTER, "NodeIds": [OLD]})
+    stub.add_response(
+        "batch_replace_cluster_nodes", {"Successful": [OLD]}, {"ClusterName": CLUSTER, "NodeIds": [OLD]}
+    )
     b.replace("ip-10-0-0-2", "k")
     describe(stub, "Failure")
     assert b.await_return("ip-10-0-0-2", "k")["back"] is False
@@ -248,7 +331,9 @@ class DiesAfterReplace:
         return call
 
 
-def test_controller_killed_between_request_and_record_replaces_once(sm: tuple[Any, Stubber], tmp_path: Path) -> None:
+def test_controller_killed_between_request_and_record_replaces_once(
+    sm: tuple[Any, Stubber], tmp_path: Path
+) -> None:
     """Killed after BatchReplaceClusterNodes returned, a restarted controller finds ShuttingDown and sends no second request."""
     client, stub = sm
     clock = Clock()
@@ -257,7 +342,9 @@ def test_controller_killed_between_request_and_record_replaces_once(sm: tuple[An
     # First run: last-node check (lookup + listing), cordon (lookup only: no orchestrator), replace (lookup).
     for _ in range(4):
         two_pages(stub)
-    stub.add_response("batch_replace_cluster_nodes", {"Successful": [OLD]}, {"ClusterName": CLUSTER, "NodeIds": [OLD]})
+    stub.add_response(
+        "batch_replace_cluster_nodes", {"Successful": [OLD]}, {"ClusterName": CLUSTER, "NodeIds": [OLD]}
+    )
     ctl = Controller(db, backend=DiesAfterReplace(hp(client, clock)), config=config, clock=clock)
     ctl.ingest(inc)
     with pytest.raises(Killed):
@@ -284,8 +371,12 @@ def test_throttled_replace_is_retried_by_the_controller(sm: tuple[Any, Stubber],
     inc = make_incident(nodes=("ip-10-0-0-2",))
     for _ in range(4):
         two_pages(stub)
-    stub.add_client_error("batch_replace_cluster_nodes", service_error_code="ThrottlingException",
-                          http_status_code=400, expected_params={"ClusterName": CLUSTER, "NodeIds": [OLD]})
+    stub.add_client_error(
+        "batch_replace_cluster_nodes",
+        service_error_code="ThrottlingException",
+        http_status_code=400,
+        expected_params={"ClusterName": CLUSTER, "NodeIds": [OLD]},
+    )
     ctl = Controller(tmp_path / "c.db", backend=hp(client, clock), config=config, clock=clock)
     ctl.ingest(inc)
     ctl.reconcile()
@@ -293,7 +384,9 @@ def test_throttled_replace_is_retried_by_the_controller(sm: tuple[Any, Stubber],
     assert replace.status == "pending" and "ThrottlingException" in str(replace.last_error)
     stub.assert_no_pending_responses()
     two_pages(stub)
-    stub.add_response("batch_replace_cluster_nodes", {"Successful": [OLD]}, {"ClusterName": CLUSTER, "NodeIds": [OLD]})
+    stub.add_response(
+        "batch_replace_cluster_nodes", {"Successful": [OLD]}, {"ClusterName": CLUSTER, "NodeIds": [OLD]}
+    )
     describe(stub, "ShuttingDown")
     clock.advance(5)
     ctl.reconcile()
@@ -321,8 +414,10 @@ def test_wiring_builds_hyperpod_over_kubernetes(tmp_path: Path) -> None:
     from replicheck.controller.wiring import load_settings, make_backend
 
     path = tmp_path / "c.toml"
-    path.write_text('[controller]\nbackend = "hyperpod"\n[hyperpod]\ncluster_name = "ml"\nregion = "us-east-1"\n'
-                    'orchestrator = "kubernetes"\n[kubernetes]\nhost = "http://127.0.0.1:9"\n')
+    path.write_text(
+        '[controller]\nbackend = "hyperpod"\n[hyperpod]\ncluster_name = "ml"\nregion = "us-east-1"\n'
+        'orchestrator = "kubernetes"\n[kubernetes]\nhost = "http://127.0.0.1:9"\n'
+    )
     made = make_backend(load_settings(path), tmp_path / "c.db")
     assert isinstance(made, HyperPodBackend) and isinstance(made._orchestrator, KubernetesBackend)
 
@@ -352,7 +447,9 @@ def test_replacement_not_back_by_the_deadline_is_excluded(sm: tuple[Any, Stubber
     inc = make_incident(nodes=("ip-10-0-0-2",))
     for _ in range(4):
         two_pages(stub)
-    stub.add_response("batch_replace_cluster_nodes", {"Successful": [OLD]}, {"ClusterName": CLUSTER, "NodeIds": [OLD]})
+    stub.add_response(
+        "batch_replace_cluster_nodes", {"Successful": [OLD]}, {"ClusterName": CLUSTER, "NodeIds": [OLD]}
+    )
     describe(stub, "ShuttingDown")
     ctl = Controller(tmp_path / "c.db", backend=hp(client, clock), config=config, clock=clock)
     ctl.ingest(inc)
@@ -377,8 +474,12 @@ def test_last_node_rule_without_orchestrator_uses_instance_groups(sm: tuple[Any,
 def test_dry_run_calls_nothing(sm: tuple[Any, Stubber], tmp_path: Path) -> None:
     """With the default dry-run the controller makes no HyperPod call at all (any call would fail the Stubber)."""
     client, stub = sm
-    ctl = Controller(tmp_path / "c.db", backend=hp(client, Clock()), config=ControllerConfig(auto_approve=True),
-                     clock=Clock())
+    ctl = Controller(
+        tmp_path / "c.db",
+        backend=hp(client, Clock()),
+        config=ControllerConfig(auto_approve=True),
+        clock=Clock(),
+    )
     inc = make_incident(nodes=("ip-10-0-0-2",))
     ctl.ingest(inc)
     ctl.reconcile()

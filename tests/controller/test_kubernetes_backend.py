@@ -10,8 +10,9 @@ stale resourceVersion, 404, 403, 5xx). API calls are counted to prove idempotenc
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 from ctlkit import Clock, make_incident
@@ -41,8 +42,9 @@ def server(clock: Clock) -> Iterator[FakeApiServer]:
 
 
 def backend(server: FakeApiServer, clock: Clock | None = None, **config: Any) -> KubernetesBackend:
-    return KubernetesBackend(KubernetesConfig(host=server.url, request_timeout_s=5, **config),
-                             clock=clock or server.clock)
+    return KubernetesBackend(
+        KubernetesConfig(host=server.url, request_timeout_s=5, **config), clock=clock or server.clock
+    )
 
 
 def patches(server: FakeApiServer, path: str = NODE) -> list[Any]:
@@ -62,13 +64,18 @@ def test_cordon_sends_one_conditional_merge_patch(server: FakeApiServer, clock: 
         "metadata": {
             "resourceVersion": rv,
             "labels": {"replicheck.io/cordoned": "true"},
-            "annotations": {"replicheck.io/cordoned-by": "replicheck-controller",
-                            "replicheck.io/incident": "job1-s40-replay",
-                            "replicheck.io/cordoned-at": "2025-01-01T00:00:00.000000+00:00",
-                            "replicheck.io/reason": "replicheck: suspected",
-                            "replicheck.io/cordon-added": "taint,unschedulable"}},
-        "spec": {"taints": [{"key": "replicheck.io/suspect", "value": "true", "effect": "NoSchedule"}],
-                 "unschedulable": True},
+            "annotations": {
+                "replicheck.io/cordoned-by": "replicheck-controller",
+                "replicheck.io/incident": "job1-s40-replay",
+                "replicheck.io/cordoned-at": "2025-01-01T00:00:00.000000+00:00",
+                "replicheck.io/reason": "replicheck: suspected",
+                "replicheck.io/cordon-added": "taint,unschedulable",
+            },
+        },
+        "spec": {
+            "taints": [{"key": "replicheck.io/suspect", "value": "true", "effect": "NoSchedule"}],
+            "unschedulable": True,
+        },
     }
     assert server.node("n2")["spec"]["unschedulable"] is True
 
@@ -96,7 +103,10 @@ def test_uncordon_reverses_only_what_we_added(server: FakeApiServer) -> None:
     assert set(undo["metadata"]["annotations"].values()) == {None}
     node = server.node("n2")
     assert node["spec"] == {"unschedulable": True, "taints": [theirs]}
-    assert not any(k.startswith("replicheck.io/") for k in {**node["metadata"]["labels"], **node["metadata"]["annotations"]})
+    assert not any(
+        k.startswith("replicheck.io/")
+        for k in {**node["metadata"]["labels"], **node["metadata"]["annotations"]}
+    )
 
 
 def test_uncordon_of_our_cordon_restores_node(server: FakeApiServer) -> None:
@@ -139,9 +149,17 @@ def test_endless_conflicts_are_temporary(server: FakeApiServer) -> None:
     assert server.count("PATCH", NODE) == 3
 
 
-@pytest.mark.parametrize("status,error", [(403, PermanentBackendError), (401, PermanentBackendError),
-                                          (422, PermanentBackendError), (500, TransientBackendError),
-                                          (503, TransientBackendError), (429, TransientBackendError)])
+@pytest.mark.parametrize(
+    "status,error",
+    [
+        (403, PermanentBackendError),
+        (401, PermanentBackendError),
+        (422, PermanentBackendError),
+        (500, TransientBackendError),
+        (503, TransientBackendError),
+        (429, TransientBackendError),
+    ],
+)
 def test_api_errors_map_to_permanent_or_temporary(server: FakeApiServer, status: int, error: type) -> None:
     """An API error status on the node read becomes the matching permanent or temporary error."""
     server.fail("GET", NODE, status=status)
@@ -196,14 +214,18 @@ def test_invalid_names_never_reach_the_api(server: FakeApiServer) -> None:
 # --- replacement ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("remediation,where,key,value", [
-    ("hyperpod-replace", "labels", HEALTH_LABEL, "UnschedulablePendingReplacement"),
-    ("hyperpod-reboot", "labels", HEALTH_LABEL, "UnschedulablePendingReboot"),
-    ("label", "labels", "remediate.example.com/action", "replace"),
-    ("annotation", "annotations", "remediate.example.com/action", "replace"),
-])
-def test_replace_sets_remediation_mark_once(server: FakeApiServer, remediation: str, where: str, key: str,
-                                            value: str) -> None:
+@pytest.mark.parametrize(
+    "remediation,where,key,value",
+    [
+        ("hyperpod-replace", "labels", HEALTH_LABEL, "UnschedulablePendingReplacement"),
+        ("hyperpod-reboot", "labels", HEALTH_LABEL, "UnschedulablePendingReboot"),
+        ("label", "labels", "remediate.example.com/action", "replace"),
+        ("annotation", "annotations", "remediate.example.com/action", "replace"),
+    ],
+)
+def test_replace_sets_remediation_mark_once(
+    server: FakeApiServer, remediation: str, where: str, key: str, value: str
+) -> None:
     """Replace writes the configured label/annotation once; a repeated call sends no second patch."""
     b = backend(server, remediation=remediation, remediation_key="remediate.example.com/action")
     b.replace("n2", "i:replace:n2")
@@ -273,7 +295,9 @@ def test_nodes_pending_replacement_are_not_schedulable(server: FakeApiServer) ->
     """list_nodes and the last-node rule count neither our cordon nor HyperPod's Unschedulable* label as schedulable."""
     b = backend(server)
     b.cordon("n1", "r", "i:cordon:n1")
-    server.edit_node("n3", lambda n: n["metadata"]["labels"].update({HEALTH_LABEL: "UnschedulablePendingReboot"}))
+    server.edit_node(
+        "n3", lambda n: n["metadata"]["labels"].update({HEALTH_LABEL: "UnschedulablePendingReboot"})
+    )
     assert b.schedulable_by_partition("n2") == {"workers": ["n2"]}
     infos = {i.name: i for i in b.list_nodes()}
     assert infos["n1"].extra["cordoned_by_us"] and infos["n1"].state == "Ready,SchedulingDisabled"
@@ -282,7 +306,9 @@ def test_nodes_pending_replacement_are_not_schedulable(server: FakeApiServer) ->
 # --- triage -----------------------------------------------------------------------------------
 
 
-def test_selftest_job_is_pinned_tolerates_cordon_and_is_cleaned_up(server: FakeApiServer, clock: Clock) -> None:
+def test_selftest_job_is_pinned_tolerates_cordon_and_is_cleaned_up(
+    server: FakeApiServer, clock: Clock
+) -> None:
     """Triage creates two Jobs pinned to suspect and reference, polls them, compares fingerprints, deletes both."""
     b = backend(server, clock)
     b.cordon("n2", "r", "i:cordon:n2")
@@ -295,10 +321,14 @@ def test_selftest_job_is_pinned_tolerates_cordon_and_is_cleaned_up(server: FakeA
     pod = job["spec"]["template"]["spec"]
     assert job["spec"]["backoffLimit"] == 0 and job["spec"]["activeDeadlineSeconds"] == 600
     assert pod["nodeSelector"] == {"kubernetes.io/hostname": "n2"}
-    terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+        "nodeSelectorTerms"
+    ]
     assert terms == [{"matchFields": [{"key": "metadata.name", "operator": "In", "values": ["n2"]}]}]
     assert {(t["key"], t["effect"]) for t in pod["tolerations"]} == {
-        ("replicheck.io/suspect", "NoSchedule"), ("node.kubernetes.io/unschedulable", "NoSchedule")}
+        ("replicheck.io/suspect", "NoSchedule"),
+        ("node.kubernetes.io/unschedulable", "NoSchedule"),
+    }
     assert pod["containers"][0]["command"][-2:] == ["--node", "n2"]
     assert pod["containers"][0]["resources"] == {"limits": {"nvidia.com/gpu": "1"}}
     assert posts[1].body["spec"]["template"]["spec"]["nodeSelector"] == {"kubernetes.io/hostname": "n1"}
@@ -312,8 +342,11 @@ def test_selftest_job_is_pinned_tolerates_cordon_and_is_cleaned_up(server: FakeA
 def test_selftest_mismatch_fails_the_suspect(server: FakeApiServer) -> None:
     """Different fingerprints on suspect and reference make the triage result passed=False."""
     server.job_polls_until_done = 0
-    server.job_runner = lambda job: (True, '{"fingerprint": "%s"}' % (
-        "bad" if job["metadata"]["annotations"]["replicheck.io/node"] == "n2" else "good"))
+    server.job_runner = lambda job: (
+        True,
+        '{"fingerprint": "%s"}'
+        % ("bad" if job["metadata"]["annotations"]["replicheck.io/node"] == "n2" else "good"),
+    )
     b = backend(server)
     with pytest.raises(NotYet):
         b.selftest("n2", "i:selftest:n2")
@@ -359,13 +392,29 @@ def test_selftest_job_lost_past_deadline_is_permanent(server: FakeApiServer, clo
 
 
 TRAINING_JOB = {
-    "apiVersion": "batch/v1", "kind": "Job",
+    "apiVersion": "batch/v1",
+    "kind": "Job",
     "metadata": {"name": "llm", "labels": {"team": "a", "controller-uid": "u1"}},
-    "spec": {"selector": {"matchLabels": {"controller-uid": "u1"}}, "backoffLimit": 3,
-             "template": {"metadata": {"labels": {"controller-uid": "u1", "job-name": "llm", "app": "llm"}},
-                          "spec": {"restartPolicy": "Never", "containers": [
-                              {"name": "train", "image": "trainer", "env": [
-                                  {"name": "REPLICHECK_RESUME_STEP", "value": "old"}, {"name": "A", "value": "1"}]}]}}},
+    "spec": {
+        "selector": {"matchLabels": {"controller-uid": "u1"}},
+        "backoffLimit": 3,
+        "template": {
+            "metadata": {"labels": {"controller-uid": "u1", "job-name": "llm", "app": "llm"}},
+            "spec": {
+                "restartPolicy": "Never",
+                "containers": [
+                    {
+                        "name": "train",
+                        "image": "trainer",
+                        "env": [
+                            {"name": "REPLICHECK_RESUME_STEP", "value": "old"},
+                            {"name": "A", "value": "1"},
+                        ],
+                    }
+                ],
+            },
+        },
+    },
 }
 
 
@@ -379,11 +428,16 @@ def test_recreate_resume_copies_job_with_checkpoint_once(server: FakeApiServer) 
     (post,) = [r for r in server.requests if r.method == "POST"]
     assert post.path == "/apis/batch/v1/namespaces/ml/jobs" and "already" in again["detail"]
     job = post.body
-    assert job["metadata"]["name"] == first["job_id"].split("/")[1] and job["metadata"]["labels"] == {"team": "a"}
+    assert job["metadata"]["name"] == first["job_id"].split("/")[1] and job["metadata"]["labels"] == {
+        "team": "a"
+    }
     assert "selector" not in job["spec"] and job["spec"]["template"]["metadata"]["labels"] == {"app": "llm"}
     env = job["spec"]["template"]["spec"]["containers"][0]["env"]
-    assert env == [{"name": "A", "value": "1"}, {"name": "REPLICHECK_RESUME_STEP", "value": "30"},
-                   {"name": "REPLICHECK_RESUME_CHECKPOINT", "value": "/ck/30"}]
+    assert env == [
+        {"name": "A", "value": "1"},
+        {"name": "REPLICHECK_RESUME_STEP", "value": "30"},
+        {"name": "REPLICHECK_RESUME_CHECKPOINT", "value": "/ck/30"},
+    ]
 
 
 def test_recreate_resume_of_unknown_job_is_permanent(server: FakeApiServer) -> None:
@@ -427,8 +481,9 @@ def health_patches(server: FakeApiServer) -> int:
     return sum(1 for b in patches(server) if HEALTH_LABEL in (b.get("metadata", {}).get("labels") or {}))
 
 
-def test_controller_plays_the_story_and_never_replaces_twice(server: FakeApiServer, clock: Clock,
-                                                             tmp_path: Path) -> None:
+def test_controller_plays_the_story_and_never_replaces_twice(
+    server: FakeApiServer, clock: Clock, tmp_path: Path
+) -> None:
     """detect, cordon, approve, replace (controller killed after the patch, restarted), await, resume: one health-label patch."""
     db = tmp_path / "ctl.db"
     config = ControllerConfig(apply=True, return_poll_s=5)
@@ -459,8 +514,12 @@ def test_controller_plays_the_story_and_never_replaces_twice(server: FakeApiServ
 
 def test_dry_run_sends_no_write(server: FakeApiServer, clock: Clock, tmp_path: Path) -> None:
     """With the default dry-run, the controller reads the cluster but sends no PATCH, POST or DELETE."""
-    ctl = Controller(tmp_path / "c.db", backend=backend(server, clock), config=ControllerConfig(auto_approve=True),
-                     clock=clock)
+    ctl = Controller(
+        tmp_path / "c.db",
+        backend=backend(server, clock),
+        config=ControllerConfig(auto_approve=True),
+        clock=clock,
+    )
     ctl.ingest(make_incident(nodes=("n2",)))
     ctl.reconcile()
     assert [r.method for r in server.requests if r.method != "GET"] == []
@@ -471,8 +530,9 @@ def test_last_schedulable_node_is_not_cordoned(server: FakeApiServer, clock: Clo
     """The only schedulable node of its group is left alone (the reason is recorded), no patch sent."""
     for other in ("n1", "n3"):
         server.edit_node(other, lambda n: n["spec"].update(unschedulable=True))
-    ctl = Controller(tmp_path / "c.db", backend=backend(server, clock), config=ControllerConfig(apply=True),
-                     clock=clock)
+    ctl = Controller(
+        tmp_path / "c.db", backend=backend(server, clock), config=ControllerConfig(apply=True), clock=clock
+    )
     inc = make_incident(nodes=("n2",))
     ctl.ingest(inc)
     ctl.reconcile()
@@ -486,8 +546,9 @@ def test_last_node_rule_sees_through_host_names(server: FakeApiServer, clock: Cl
     for other in ("n1", "n3"):
         server.edit_node(other, lambda n: n["spec"].update(unschedulable=True))
     assert backend(server).schedulable_by_partition("ip-10-0-0-2") == {"workers": ["ip-10-0-0-2"]}
-    ctl = Controller(tmp_path / "c.db", backend=backend(server, clock), config=ControllerConfig(apply=True),
-                     clock=clock)
+    ctl = Controller(
+        tmp_path / "c.db", backend=backend(server, clock), config=ControllerConfig(apply=True), clock=clock
+    )
     ctl.ingest(make_incident(nodes=("ip-10-0-0-2",)))
     ctl.reconcile()
     assert patches(server) == []
@@ -496,8 +557,12 @@ def test_last_node_rule_sees_through_host_names(server: FakeApiServer, clock: Cl
 
 def test_blast_radius_allows_one_replacement(server: FakeApiServer, clock: Clock, tmp_path: Path) -> None:
     """With max_replacements=1, two approved incidents lead to one health-label patch; the second waits."""
-    ctl = Controller(tmp_path / "c.db", backend=backend(server, clock),
-                     config=ControllerConfig(apply=True, auto_approve=True, max_replacements=1), clock=clock)
+    ctl = Controller(
+        tmp_path / "c.db",
+        backend=backend(server, clock),
+        config=ControllerConfig(apply=True, auto_approve=True, max_replacements=1),
+        clock=clock,
+    )
     ctl.ingest(make_incident(nodes=("n2",), step=40))
     ctl.ingest(make_incident(nodes=("n3",), step=50))
     ctl.reconcile()
@@ -513,8 +578,10 @@ def test_config_is_loaded_from_toml_and_validated(server: FakeApiServer, tmp_pat
     from replicheck.controller.wiring import load_settings, make_backend
 
     path = tmp_path / "c.toml"
-    path.write_text(f'[controller]\nbackend = "kubernetes"\n[kubernetes]\nhost = "{server.url}"\n'
-                    'remediation = "hyperpod-reboot"\ntriage_command = ["replicheck", "selftest", "--json"]\n')
+    path.write_text(
+        f'[controller]\nbackend = "kubernetes"\n[kubernetes]\nhost = "{server.url}"\n'
+        'remediation = "hyperpod-reboot"\ntriage_command = ["replicheck", "selftest", "--json"]\n'
+    )
     made = make_backend(load_settings(path), tmp_path / "c.db")
     assert isinstance(made, KubernetesBackend) and made.config.remediation == "hyperpod-reboot"
     assert [n.name for n in made.list_nodes()] == ["n1", "n2", "n3"]
@@ -539,9 +606,11 @@ def test_cli_reports_a_missing_client_in_one_line(tmp_path: Path) -> None:
 
     config = tmp_path / "c.toml"
     config.write_text('[controller]\nbackend = "kubernetes"\n')
-    code = ("import sys; sys.modules['kubernetes'] = None\n"
-            "from replicheck.cli import main\n"
-            f"sys.exit(main(['controller', 'run', '--db', {str(tmp_path / 'c.db')!r}, '--config', {str(config)!r}, '--once']))\n")
+    code = (
+        "import sys; sys.modules['kubernetes'] = None\n"
+        "from replicheck.cli import main\n"
+        f"sys.exit(main(['controller', 'run', '--db', {str(tmp_path / 'c.db')!r}, '--config', {str(config)!r}, '--once']))\n"
+    )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and run.stderr.strip().count("\n") == 0
     assert "pip install 'replicheck[kubernetes]'" in run.stderr
@@ -579,18 +648,37 @@ def test_cli_runs_the_kubernetes_backend_from_the_config_file(server: FakeApiSer
     config.write_text(f'[controller]\nbackend = "kubernetes"\n[kubernetes]\nhost = "{server.url}"\n')
     incident = write_incident(make_incident(nodes=("n2",)), tmp_path / "incidents")
     db = str(tmp_path / "c.db")
-    assert main(["controller", "run", "--db", db, "--config", str(config), "--incident", str(incident),
-                 "--once", "--apply"]) == 0
+    assert (
+        main(
+            [
+                "controller",
+                "run",
+                "--db",
+                db,
+                "--config",
+                str(config),
+                "--incident",
+                str(incident),
+                "--once",
+                "--apply",
+            ]
+        )
+        == 0
+    )
     assert server.node("n2")["spec"]["unschedulable"] is True
 
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 
 
-def _rbac_allows(docs: list[dict[str, Any]], namespace: str | None, group: str, resource: str, verb: str) -> bool:
+def _rbac_allows(
+    docs: list[dict[str, Any]], namespace: str | None, group: str, resource: str, verb: str
+) -> bool:
     for doc in docs:
         scoped = doc["kind"] == "Role"
-        if doc["kind"] not in ("Role", "ClusterRole") or (scoped and doc["metadata"]["namespace"] != namespace):
+        if doc["kind"] not in ("Role", "ClusterRole") or (
+            scoped and doc["metadata"]["namespace"] != namespace
+        ):
             continue
         for rule in doc["rules"]:
             if group in rule["apiGroups"] and resource in rule["resources"] and verb in rule["verbs"]:
@@ -612,7 +700,9 @@ def test_deploy_rbac_covers_every_request_the_demo_makes(tmp_path: Path) -> None
     verbs = {"GET": "get", "PATCH": "patch", "POST": "create", "DELETE": "delete"}
     needed = set()
     for req in seen:
-        m = re.fullmatch(r"/apis?/(?:(batch)/)?v1/(?:namespaces/([^/]+)/)?([a-z]+)(?:/([^/]+))?(/log)?", req.path)
+        m = re.fullmatch(
+            r"/apis?/(?:(batch)/)?v1/(?:namespaces/([^/]+)/)?([a-z]+)(?:/([^/]+))?(/log)?", req.path
+        )
         assert m, req.path
         group, ns, resource, name, log = m.groups()
         if ns == "ml":
@@ -621,8 +711,15 @@ def test_deploy_rbac_covers_every_request_the_demo_makes(tmp_path: Path) -> None
         needed.add((ns, group or "", resource + ("/log" if log else ""), verb))
     for ns, group, resource, verb in sorted(needed, key=str):
         assert _rbac_allows(docs, ns, group, resource, verb), (ns, group, resource, verb)
-    granted = {(d["metadata"].get("namespace"), g, r, v) for d in docs if d["kind"] in ("Role", "ClusterRole")
-               for rule in d["rules"] for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]}
+    granted = {
+        (d["metadata"].get("namespace"), g, r, v)
+        for d in docs
+        if d["kind"] in ("Role", "ClusterRole")
+        for rule in d["rules"]
+        for g in rule["apiGroups"]
+        for r in rule["resources"]
+        for v in rule["verbs"]
+    }
     assert len(granted) == len(needed)
 
 
@@ -648,11 +745,13 @@ def test_new_backends_never_import_torch(server: FakeApiServer) -> None:
     """Importing both backends and using the kubernetes one in a fresh interpreter leaves torch unimported."""
     import subprocess
 
-    code = ("import sys\n"
-            "from replicheck.controller.backends.kubernetes import KubernetesBackend, KubernetesConfig\n"
-            "import replicheck.controller.backends.hyperpod, replicheck.controller.backends.kube_demo\n"
-            f"KubernetesBackend(KubernetesConfig(host={server.url!r})).list_nodes()\n"
-            "assert 'torch' not in sys.modules, 'torch was imported'\n")
+    code = (
+        "import sys\n"
+        "from replicheck.controller.backends.kubernetes import KubernetesBackend, KubernetesConfig\n"
+        "import replicheck.controller.backends.hyperpod, replicheck.controller.backends.kube_demo\n"
+        f"KubernetesBackend(KubernetesConfig(host={server.url!r})).list_nodes()\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr
 
@@ -670,8 +769,11 @@ def test_selftest_job_runs_the_real_selftest_command(server: FakeApiServer) -> N
 
     server.job_polls_until_done = 0
     server.job_runner = run_container
-    b = backend(server, triage_command=("replicheck", "selftest", "--json", "--device", "cpu", "--steps", "1"),
-                triage_gpu_resource="")
+    b = backend(
+        server,
+        triage_command=("replicheck", "selftest", "--json", "--device", "cpu", "--steps", "1"),
+        triage_gpu_resource="",
+    )
     with pytest.raises(NotYet):
         b.selftest("n2", "i:selftest:n2")
     result = b.selftest("n2", "i:selftest:n2")

@@ -48,8 +48,16 @@ def test_two_controllers_twenty_trials_no_duplicate_side_effect(tmp_path: Path) 
         db, log = tmp_path / f"c{trial}.db", tmp_path / f"calls{trial}.log"
         cluster(db, active=("n1", "n2", "n3"), spares=("s1",)).close()
         Store(db).close()  # migrate once, so both start from the same schema
-        procs = [subprocess.Popen([sys.executable, str(DRIVER), str(db), str(log)], stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True, env=env) for _ in range(2)]
+        procs = [
+            subprocess.Popen(
+                [sys.executable, str(DRIVER), str(db), str(log)],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=env,
+            )
+            for _ in range(2)
+        ]
         outs = [p.communicate(timeout=120) for p in procs]
         assert all(p.returncode == 0 for p in procs), outs
         said = sorted(out.split(":")[0].strip() for out, _ in outs)
@@ -96,9 +104,14 @@ def test_tampered_audit_is_detected(tmp_path: Path, tamper: str) -> None:
     elif tamper == "delete_last":
         con.execute("DELETE FROM audit WHERE id=?", (last,))
     else:
-        row = con.execute("SELECT at, actor, incident_id, what, outcome, prev, hash FROM audit WHERE id=2").fetchone()
-        con.execute("INSERT INTO audit(id, at, actor, incident_id, what, outcome, prev, hash) "
-                    "VALUES(?, ?, 'mallory', ?, 'approved', 'forged', ?, ?)", (last + 1, row[0], row[2], row[5], row[6]))
+        row = con.execute(
+            "SELECT at, actor, incident_id, what, outcome, prev, hash FROM audit WHERE id=2"
+        ).fetchone()
+        con.execute(
+            "INSERT INTO audit(id, at, actor, incident_id, what, outcome, prev, hash) "
+            "VALUES(?, ?, 'mallory', ?, 'approved', 'forged', ?, ?)",
+            (last + 1, row[0], row[2], row[5], row[6]),
+        )
     con.close()
     run = cli("audit", "verify", "--db", str(db))
     assert run.returncode == 1 and "TAMPERED" in run.stdout, run.stdout + run.stderr
@@ -110,7 +123,10 @@ def test_version_two_database_gets_a_verified_chain(tmp_path: Path) -> None:
     con = sqlite3.connect(db, isolation_level=None)
     con.executescript(str(MIGRATIONS[0]) + str(MIGRATIONS[1]) + "PRAGMA user_version=2;")
     for i in (1, 2, 5):  # AUTOINCREMENT gaps are normal in an old log
-        con.execute("INSERT INTO audit(id, at, actor, what, outcome) VALUES(?, 't', 'controller', 'w', ?)", (i, f"o{i}"))
+        con.execute(
+            "INSERT INTO audit(id, at, actor, what, outcome) VALUES(?, 't', 'controller', 'w', ?)",
+            (i, f"o{i}"),
+        )
     con.close()
     store = Store(db)
     check = store.verify_audit()

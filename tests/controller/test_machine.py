@@ -166,7 +166,11 @@ def test_replacement_then_return_then_resume() -> None:
     step = transition(step.record, tick())
     (resume,) = step.actions
     assert resume.kind is ActionKind.RESUME
-    assert resume.params == {"job_id": "job1", "checkpoint": {"step": 30, "path": "/ck/30"}, "exclude": ["n2"]}
+    assert resume.params == {
+        "job_id": "job1",
+        "checkpoint": {"step": 30, "path": "/ck/30"},
+        "exclude": ["n2"],
+    }
     r = done(step, detail="ok")
     assert transition(r, tick()).record.state is State.RESUMED
 
@@ -241,5 +245,10 @@ def test_transition_is_pure() -> None:
 def test_record_round_trips_through_json() -> None:
     """A record with every field filled survives to_json/from_json unchanged."""
     r = transition(to_awaiting(), Approved(by="a", at=NOW)).record
-    r = r.evolve(triage=(TriageResult("n2", False, "differs"),), returned=(("n2", False, "s1"),), cordon_skipped=(("n9", "why"),), resume={"detail": "d"})
+    r = r.evolve(
+        triage=(TriageResult("n2", False, "differs"),),
+        returned=(("n2", False, "s1"),),
+        cordon_skipped=(("n9", "why"),),
+        resume={"detail": "d"},
+    )
     assert Record.from_json(r.to_json()) == r

@@ -31,7 +31,9 @@ def test_old_database_is_migrated_and_keeps_data(tmp_path: Path) -> None:
     con = sqlite3.connect(db, isolation_level=None)
     con.executescript(MIGRATIONS[0] + "PRAGMA user_version=1;")
     inc = make_incident()
-    con.execute("INSERT INTO incidents VALUES(?, ?, ?, 'old', 't', 't', 1)", (inc.id, inc.job_id, inc.to_json()))
+    con.execute(
+        "INSERT INTO incidents VALUES(?, ?, ?, 'old', 't', 't', 1)", (inc.id, inc.job_id, inc.to_json())
+    )
     con.close()
     store = Store(db)
     assert store.schema_version() == SCHEMA_VERSION
@@ -88,12 +90,18 @@ def test_differing_duplicate_keeps_first_and_is_audited(tmp_path: Path) -> None:
         assert any(a.what == "duplicate merged" for a in ctl.store.audit_rows())
 
 
-@pytest.mark.parametrize("content,needle", [
-    (b"{not json", "not valid JSON"),
-    (json.dumps({**make_incident().to_dict(), "version": 99}).encode(), "unsupported incident version 99"),
-    (json.dumps({**make_incident().to_dict(), "step": -1}).encode(), "'step'"),
-    (json.dumps({"schema": "something.else"}).encode(), "not a replicheck incident"),
-])
+@pytest.mark.parametrize(
+    "content,needle",
+    [
+        (b"{not json", "not valid JSON"),
+        (
+            json.dumps({**make_incident().to_dict(), "version": 99}).encode(),
+            "unsupported incident version 99",
+        ),
+        (json.dumps({**make_incident().to_dict(), "step": -1}).encode(), "'step'"),
+        (json.dumps({"schema": "something.else"}).encode(), "not a replicheck incident"),
+    ],
+)
 def test_malformed_record_is_rejected_and_kept(tmp_path: Path, content: bytes, needle: str) -> None:
     """A malformed or unknown-version file is rejected with a clear reason; file and content are kept."""
     bad = tmp_path / "bad.json"
@@ -114,7 +122,10 @@ def test_watched_directory_ingests_new_files_once(tmp_path: Path) -> None:
         write_incident(make_incident(step=step), inbox)
     (inbox / ".incident-partial.tmp").write_text("{")
     with Controller(tmp_path / "c.db") as ctl:
-        assert sorted(r.incident_id or "" for r in ctl.ingest_dir(inbox)) == ["job1-s10-replay", "job1-s20-replay"]
+        assert sorted(r.incident_id or "" for r in ctl.ingest_dir(inbox)) == [
+            "job1-s10-replay",
+            "job1-s20-replay",
+        ]
         assert ctl.ingest_dir(inbox) == []
         assert ctl.store.rejected_rows() == []
 
@@ -143,8 +154,9 @@ def test_reconcile_reads_configured_dirs(tmp_path: Path) -> None:
     backend = LocalBackend(tmp_path / "c.db")
     for n in ("n1", "n2", "n3"):
         backend.add_node(n)
-    with Controller(tmp_path / "c.db", backend=backend,
-                    config=ControllerConfig(apply=True, incident_dirs=(str(inbox),))) as ctl:
+    with Controller(
+        tmp_path / "c.db", backend=backend, config=ControllerConfig(apply=True, incident_dirs=(str(inbox),))
+    ) as ctl:
         assert [t.to_state for t in ctl.reconcile()] == [State.CORDONED, State.AWAITING_APPROVAL]
 
 
@@ -155,4 +167,7 @@ def test_later_copy_may_add_the_checkpoint(tmp_path: Path) -> None:
         assert ctl.records()[0].checkpoint is None
         ctl.ingest(make_incident(checkpoint_step=30))
         assert ctl.records()[0].checkpoint == {"step": 30, "path": "/ck/30"}
-        assert ctl.store.get_incident(make_incident().id).incident.recommended_checkpoint == {"step": 30, "path": "/ck/30"}
+        assert ctl.store.get_incident(make_incident().id).incident.recommended_checkpoint == {
+            "step": 30,
+            "path": "/ck/30",
+        }

@@ -18,8 +18,17 @@ def _bare(model: torch.nn.Module) -> torch.nn.Module:
     return getattr(model, "module", model)
 
 
-def forward_fault(ctx: RankContext, model: Any, opt: Any, guard: Guard, *, rank: int, onset: int,
-                  only_pass: str | None = None, once: bool = False) -> None:
+def forward_fault(
+    ctx: RankContext,
+    model: Any,
+    opt: Any,
+    guard: Guard,
+    *,
+    rank: int,
+    onset: int,
+    only_pass: str | None = None,
+    once: bool = False,
+) -> None:
     """Add 1.0 to one activation of block 0's feed-forward on ``rank`` from step ``onset``."""
     if ctx.rank != rank:
         return
@@ -36,8 +45,9 @@ def forward_fault(ctx: RankContext, model: Any, opt: Any, guard: Guard, *, rank:
     _bare(model).blocks[0].ffn.register_forward_hook(hook)
 
 
-def grad_fault(ctx: RankContext, model: Any, opt: Any, guard: Guard, *, rank: int, onset: int,
-               factor: float = 1.5) -> None:
+def grad_fault(
+    ctx: RankContext, model: Any, opt: Any, guard: Guard, *, rank: int, onset: int, factor: float = 1.5
+) -> None:
     """Scale one weight's gradient on ``rank`` from step ``onset``; the forward is untouched."""
     if ctx.rank != rank:
         return
@@ -81,8 +91,9 @@ def with_noise(ctx: RankContext, model: Any, opt: Any, guard: Guard, *, rel: flo
     inner(ctx, model, opt, guard)
 
 
-def optimizer_fault(ctx: RankContext, model: Any, opt: torch.optim.Optimizer, guard: Guard, *, rank: int,
-                    at: int) -> None:
+def optimizer_fault(
+    ctx: RankContext, model: Any, opt: torch.optim.Optimizer, guard: Guard, *, rank: int, at: int
+) -> None:
     """After ``rank``'s optimizer update of step ``at``, nudge one weight (a corrupted update)."""
     if ctx.rank != rank:
         return
@@ -108,7 +119,9 @@ def reduced_fault(ctx: RankContext, model: Any, opt: Any, guard: Guard, *, rank:
     guard.add_reduced_gradient_hook(hook)
 
 
-def nan_on_single_sample(ctx: RankContext, model: Any, opt: Any, guard: Guard, *, rank: int, onset: int) -> None:
+def nan_on_single_sample(
+    ctx: RankContext, model: Any, opt: Any, guard: Guard, *, rank: int, onset: int
+) -> None:
     """On ``rank`` from ``onset``: a NaN in block 0's feed-forward output whenever the pass holds
     one sample (the probe's shape) — a fault that depends on the shape of the work."""
     if ctx.rank != rank:

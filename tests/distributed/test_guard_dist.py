@@ -104,7 +104,9 @@ def test_tolerant_mode_does_not_alarm_on_kernel_noise() -> None:
 def test_optimizer_update_fault_named_at_next_check() -> None:
     """A corrupted optimizer update on one rank is named at the next weights/verification step."""
     fault = functools.partial(gf.optimizer_fault, rank=1, at=7)
-    results = run(spec(steps=15, setup=fault, guard=GuardConfig(verify_every=10, weights_every=5)), node_names(3, 1))
+    results = run(
+        spec(steps=15, setup=fault, guard=GuardConfig(verify_every=10, weights_every=5)), node_names(3, 1)
+    )
     inc = incident(results)
     assert inc["step"] == 10
     assert inc["check"] == "weights" and inc["suspect_ranks"] == [1]
@@ -115,7 +117,9 @@ def test_optimizer_update_fault_named_at_next_check() -> None:
 def test_optimizer_fault_with_two_ranks_blames_nobody() -> None:
     """With two replicas a corrupted update cannot be attributed: ambiguous, no healthy rank blamed."""
     fault = functools.partial(gf.optimizer_fault, rank=1, at=2)
-    results = run(spec(steps=8, setup=fault, guard=GuardConfig(verify_every=5, weights_every=5)), node_names(2, 1))
+    results = run(
+        spec(steps=8, setup=fault, guard=GuardConfig(verify_every=5, weights_every=5)), node_names(2, 1)
+    )
     inc = incident(results)
     assert inc["step"] == 5 and inc["suspect_ranks"] == []
     assert inc["classification"] == "ambiguous" and sorted(c["rank"] for c in inc["candidates"]) == [0, 1]
@@ -175,7 +179,9 @@ def test_attribution(nodes: int, per_node: int, bad: int, expect: list[int]) -> 
 def test_gradient_accumulation_verifies_and_trains() -> None:
     """Steps of several micro-batches verify cleanly and apply the same update as one batch."""
     guard = GuardConfig(verify_every=1, weights_every=1)
-    accum = run(dataclasses.replace(spec(steps=3, guard=guard, keep_state=True), microbatches=2), node_names(2, 1))
+    accum = run(
+        dataclasses.replace(spec(steps=3, guard=guard, keep_state=True), microbatches=2), node_names(2, 1)
+    )
     whole = run(spec(steps=3, guard=guard, keep_state=True), node_names(2, 1))
     assert all(r.incident is None for r in accum) and accum[0].verified_steps == [0, 1, 2]
     for name, value in whole[0].state.items():  # type: ignore[union-attr]

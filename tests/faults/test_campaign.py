@@ -7,9 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from replicheck.campaign.runner import run_campaign
-from replicheck.faults.errors import FaultConfigError
 from replicheck.campaign.report import markdown
+from replicheck.campaign.runner import run_campaign
 from replicheck.campaign.scenarios import (
     JobDefaults,
     default_scenarios,
@@ -17,6 +16,7 @@ from replicheck.campaign.scenarios import (
     select,
 )
 from replicheck.campaign.soak import soak_model
+from replicheck.faults.errors import FaultConfigError
 
 
 def _tiny(**kw: object) -> JobDefaults:
@@ -32,7 +32,12 @@ def test_fast_subset_detects_at_the_first_check_with_the_right_suspect() -> None
     assert all(o.error is None for o in outcomes), [o.error for o in outcomes]
     assert all(o.as_expected for o in outcomes), {o.name: o.to_dict() for o in outcomes if not o.as_expected}
     aws = by["aws-persistent-3n"]
-    assert (aws.detected_at, aws.suspect_ranks, aws.applied_corrupted, aws.classification) == (30, [1], [23, 29], "persistent")
+    assert (aws.detected_at, aws.suspect_ranks, aws.applied_corrupted, aws.classification) == (
+        30,
+        [1],
+        [23, 29],
+        "persistent",
+    )
     red = by["reduced-gradient"]
     assert (red.detected_at, red.check, red.applied_corrupted) == (23, "reduced_gradients", None)
     assert by["transient-unverified"].detected_at is None and by["transient-unverified"].corruptions == 1
@@ -45,8 +50,19 @@ def test_cli_writes_json_markdown_and_plots(tmp_path: Path) -> None:
     from replicheck.cli import main
 
     pytest.importorskip("matplotlib")
-    rc = main(["campaign", "--scenarios", "reduced-gradient", "--tiny", "--steps", "26", "--out", str(tmp_path),
-               "--no-progress"])
+    rc = main(
+        [
+            "campaign",
+            "--scenarios",
+            "reduced-gradient",
+            "--tiny",
+            "--steps",
+            "26",
+            "--out",
+            str(tmp_path),
+            "--no-progress",
+        ]
+    )
     assert rc == 0
     data = json.loads((tmp_path / "results.json").read_text())
     assert [r["name"] for r in data["scenarios"]] == ["reduced-gradient"]
@@ -57,9 +73,23 @@ def test_cli_writes_json_markdown_and_plots(tmp_path: Path) -> None:
 @pytest.mark.timeout(30)
 def test_markdown_without_plots_says_how_to_get_them() -> None:
     """Without matplotlib the table is still written and tells how to get the timelines."""
-    row = {"name": "clean", "title": "Clean run", "fault": None, "nodes": 2, "gpus_per_node": 2, "mode": "exact",
-           "verify_every": 10, "onset": None, "detected_at": None, "applied_corrupted": None, "check": None,
-           "suspect_correct": None, "classification": None, "false_alarms": 0, "as_expected": True}
+    row = {
+        "name": "clean",
+        "title": "Clean run",
+        "fault": None,
+        "nodes": 2,
+        "gpus_per_node": 2,
+        "mode": "exact",
+        "verify_every": 10,
+        "onset": None,
+        "detected_at": None,
+        "applied_corrupted": None,
+        "check": None,
+        "suspect_correct": None,
+        "classification": None,
+        "false_alarms": 0,
+        "as_expected": True,
+    }
     text = markdown([row], {"command": "replicheck campaign"}, plots=False)
     assert "| `clean` |" in text and "replicheck[plot]" in text and "15,320" in text
 

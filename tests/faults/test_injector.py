@@ -12,7 +12,9 @@ from replicheck.guard.context import running
 from replicheck.harness.workloads import lm_loss
 
 
-def _grads(model: torch.nn.Module, batch: dict[str, torch.Tensor], step: int, pass_: Any = "train") -> dict[str, torch.Tensor]:
+def _grads(
+    model: torch.nn.Module, batch: dict[str, torch.Tensor], step: int, pass_: Any = "train"
+) -> dict[str, torch.Tensor]:
     with running(step, pass_):
         loss = lm_loss(model, batch)
         grads = torch.autograd.grad(loss, list(model.parameters()))
@@ -40,7 +42,9 @@ def test_forward_output_fault_changes_only_recorded_values(pair: Any, batch: Any
     (rec,) = handle.records
     diff = (out_bad != out_good).reshape(-1).nonzero().flatten().tolist()
     assert diff == list(rec.positions) and rec.step == 2 and rec.pass_ == "train" and rec.bit == 22
-    assert rec.old == (float(out_good.reshape(-1)[diff[0]]),) and rec.new == (float(out_bad.reshape(-1)[diff[0]]),)
+    assert rec.old == (float(out_good.reshape(-1)[diff[0]]),) and rec.new == (
+        float(out_bad.reshape(-1)[diff[0]]),
+    )
     assert rec.tensor == "blocks.0.ffn.output"
 
 
@@ -83,7 +87,9 @@ def test_optimizer_update_fault_changes_only_that_update(pair: Any, batch: Any) 
     bad, good = pair
     name = "head.weight"
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (bad, good)]
-    handle = Fault.at_optimizer_update(name).transient(step=0).scale(-50.0).install(bad, optimizer=opts[0], rank=0)
+    handle = (
+        Fault.at_optimizer_update(name).transient(step=0).scale(-50.0).install(bad, optimizer=opts[0], rank=0)
+    )
     for m, o in zip((bad, good), opts):
         lm_loss(m, batch).backward()
         with running(0, "optimizer"):
@@ -132,7 +138,9 @@ def test_fault_for_another_rank_is_inert_and_remove_uninstalls(pair: Any, batch:
 def test_passes_filter_and_seed_reproducibility(pair: Any, batch: Any) -> None:
     """only_in() limits the passes hit; the same seed corrupts the same positions."""
     bad, good = pair
-    fault = Fault.at_forward("blocks.0.attn").persistent().bitflip(field="mantissa").only_in("probe").seeded(11)
+    fault = (
+        Fault.at_forward("blocks.0.attn").persistent().bitflip(field="mantissa").only_in("probe").seeded(11)
+    )
     h1 = fault.install(bad, rank=0)
     _output(bad, "blocks.0.attn", batch, 0)
     assert h1.records == []
@@ -162,7 +170,12 @@ def test_kernel_noise_uses_its_own_generator(pair: Any, batch: Any) -> None:
 def test_unknown_names_and_missing_parts_raise(pair: Any) -> None:
     """Unknown modules/parameters, or a site lacking its optimizer/guard, raise FaultConfigError."""
     bad, _ = pair
-    for fault in (Fault.at_forward("nope"), Fault.at_weight_gradient("nope"), Fault.at_optimizer_update("head.weight"),
-                  Fault.at_reduced_gradient(), Fault()):
+    for fault in (
+        Fault.at_forward("nope"),
+        Fault.at_weight_gradient("nope"),
+        Fault.at_optimizer_update("head.weight"),
+        Fault.at_reduced_gradient(),
+        Fault(),
+    ):
         with pytest.raises(FaultConfigError):
             fault.install(bad, rank=0)

@@ -83,6 +83,7 @@ def test_scale_and_nonfinite_values() -> None:
 @pytest.mark.timeout(30)
 def test_sdc_mix_is_seeded_and_mostly_finite() -> None:
     """The published mix is reproducible from its seed and yields NaN/Inf ~1% of the time."""
+
     def kinds(seed: int) -> list[str]:
         gen = _gen(seed)
         return [SdcMix().apply(torch.ones(64), gen).kind for _ in range(3000)]

@@ -3,8 +3,9 @@ the API served by uvicorn on 127.0.0.1 with a free port, in a background thread.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import pytest
 from httpkit import Live, cluster, write_tokens

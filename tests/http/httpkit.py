@@ -6,9 +6,10 @@ import dataclasses
 import datetime as dt
 import http.client
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from replicheck.controller import Controller, ControllerConfig, LocalBackend
 from replicheck.incident import Incident, NodeIdentity, Suspect, make_incident_id
@@ -18,21 +19,51 @@ ALICE_TOKEN = "alice-token-0123456789abcdef"
 SHARED_TOKEN = "shared-operator-0123456789abcdef"
 
 
-def make_incident(*, job: str = "job1", step: int = 40, nodes: tuple[str, ...] = ("n2",),
-                  classification: str = "persistent", time: str | None = None) -> Incident:
+def make_incident(
+    *,
+    job: str = "job1",
+    step: int = 40,
+    nodes: tuple[str, ...] = ("n2",),
+    classification: str = "persistent",
+    time: str | None = None,
+) -> Incident:
     """A replay incident naming ``nodes``, with pair evidence and a recommended checkpoint."""
-    people = tuple(Suspect(rank=i + 1, node=NodeIdentity(name=n, hostname=f"{n}.cluster", slurm_node=n))
-                   for i, n in enumerate(nodes))
-    pairs = [{"source": 1, "verifier": 2, "source_node": nodes[0], "verifier_node": "n3", "distance": 0.25,
-              "agree": False},
-             {"source": 0, "verifier": 1, "source_node": "n1", "verifier_node": nodes[0], "distance": 0.0,
-              "agree": True}]
+    people = tuple(
+        Suspect(rank=i + 1, node=NodeIdentity(name=n, hostname=f"{n}.cluster", slurm_node=n))
+        for i, n in enumerate(nodes)
+    )
+    pairs = [
+        {
+            "source": 1,
+            "verifier": 2,
+            "source_node": nodes[0],
+            "verifier_node": "n3",
+            "distance": 0.25,
+            "agree": False,
+        },
+        {
+            "source": 0,
+            "verifier": 1,
+            "source_node": "n1",
+            "verifier_node": nodes[0],
+            "distance": 0.0,
+            "agree": True,
+        },
+    ]
     incident = Incident(
-        id=make_incident_id(job, step, "replay"), job_id=job, step=step, check="replay",
-        suspect_ranks=tuple(s.rank for s in people), suspect_nodes=nodes,
+        id=make_incident_id(job, step, "replay"),
+        job_id=job,
+        step=step,
+        check="replay",
+        suspect_ranks=tuple(s.rank for s in people),
+        suspect_nodes=nodes,
         classification=classification,  # type: ignore[arg-type]
-        suspects=people, evidence={"replay": {"pairs": pairs}}, last_verified_step=30,
-        recommended_checkpoint={"step": 30, "path": "/ckpt/step-30"}, world_size=4)
+        suspects=people,
+        evidence={"replay": {"pairs": pairs}},
+        last_verified_step=30,
+        recommended_checkpoint={"step": 30, "path": "/ckpt/step-30"},
+        world_size=4,
+    )
     return incident if time is None else dataclasses.replace(incident, time=time)
 
 
@@ -77,9 +108,17 @@ class Live:
         return Controller(self.db, config=ControllerConfig(**{"apply": True, **config}))
 
 
-def call(base: str, method: str, path: str, body: bytes | str | Mapping[str, Any] | None = None, *,
-         token: str | None = None, content_type: str = "application/json",
-         headers: Mapping[str, str] | None = None, timeout: float = 30.0) -> Reply:
+def call(
+    base: str,
+    method: str,
+    path: str,
+    body: bytes | str | Mapping[str, Any] | None = None,
+    *,
+    token: str | None = None,
+    content_type: str = "application/json",
+    headers: Mapping[str, str] | None = None,
+    timeout: float = 30.0,
+) -> Reply:
     """One request with http.client (which, unlike urllib, returns every status as a Reply)."""
     host, port = base.removeprefix("http://").rsplit(":", 1)
     conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
@@ -100,4 +139,4 @@ def call(base: str, method: str, path: str, body: bytes | str | Mapping[str, Any
 
 
 def iso(t: dt.datetime) -> str:
-    return t.astimezone(dt.timezone.utc).isoformat(timespec="microseconds")
+    return t.astimezone(dt.UTC).isoformat(timespec="microseconds")

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from httpkit import ALICE_TOKEN, JOB_TOKEN, Live, SHARED_TOKEN, call, make_incident
+from httpkit import ALICE_TOKEN, JOB_TOKEN, SHARED_TOKEN, Live, call, make_incident
 
 from replicheck.controller import State
 from replicheck.controller.errors import ConfigError
@@ -31,7 +31,9 @@ def _awaiting(live: Live, **kw: object) -> str:
 
 def _refusals(live: Live) -> list[tuple[str, str | None, str]]:
     with live.controller() as ctl:
-        return [(a.actor, a.incident_id, a.outcome) for a in ctl.store.audit_rows() if a.what == "refused request"]
+        return [
+            (a.actor, a.incident_id, a.outcome) for a in ctl.store.audit_rows() if a.what == "refused request"
+        ]
 
 
 def _counts(live: Live) -> tuple[int, int]:
@@ -52,16 +54,20 @@ def test_post_incident_stores_and_merges_duplicates(live: Live) -> None:
         assert row.deliveries == 2 and row.incident == inc and row.source == "http:job@127.0.0.1"
 
 
-@pytest.mark.parametrize("method,path,token,status", [
-    ("POST", INCIDENTS, None, 401),
-    ("POST", INCIDENTS, "not-a-token-at-all-xxxxxxxx", 401),
-    ("POST", INCIDENTS, ALICE_TOKEN, 403),
-    ("GET", INCIDENTS, None, 401),
-    ("GET", INCIDENTS, JOB_TOKEN, 403),
-    ("GET", "/api/v1/whoami", "wrong-token-0123456789", 401),
-])
-def test_missing_or_wrong_token_refused_and_audited(live: Live, method: str, path: str, token: str | None,
-                                                     status: int) -> None:
+@pytest.mark.parametrize(
+    "method,path,token,status",
+    [
+        ("POST", INCIDENTS, None, 401),
+        ("POST", INCIDENTS, "not-a-token-at-all-xxxxxxxx", 401),
+        ("POST", INCIDENTS, ALICE_TOKEN, 403),
+        ("GET", INCIDENTS, None, 401),
+        ("GET", INCIDENTS, JOB_TOKEN, 403),
+        ("GET", "/api/v1/whoami", "wrong-token-0123456789", 401),
+    ],
+)
+def test_missing_or_wrong_token_refused_and_audited(
+    live: Live, method: str, path: str, token: str | None, status: int
+) -> None:
     """A missing, unknown or wrong-role token is refused (401/403), audited, and stores nothing."""
     body = make_incident().to_json() if method == "POST" else None
     reply = call(live.url, method, path, body, token=token)
@@ -97,8 +103,9 @@ def test_refused_decision_is_audited_on_the_incident(live: Live) -> None:
 
 def test_oversized_body_refused_before_reading(live: Live) -> None:
     """A body announced larger than the limit gets 413 before it is sent; nothing is stored."""
-    conn = http.client.HTTPConnection(live.url.removeprefix("http://").split(":")[0],
-                                      int(live.url.rsplit(":", 1)[1]), timeout=30)
+    conn = http.client.HTTPConnection(
+        live.url.removeprefix("http://").split(":")[0], int(live.url.rsplit(":", 1)[1]), timeout=30
+    )
     conn.putrequest("POST", INCIDENTS)
     conn.putheader("Authorization", f"Bearer {JOB_TOKEN}")
     conn.putheader("Content-Type", "application/json")
@@ -119,9 +126,17 @@ def test_oversized_streamed_body_refused(serve: object) -> None:
     data["evidence"] = {"padding": "x" * 8000}
     body = json.dumps(data).encode()
     conn = http.client.HTTPConnection("127.0.0.1", int(live.url.rsplit(":", 1)[1]), timeout=30)
-    conn.request("POST", INCIDENTS, body=iter([body[:2000], body[2000:]]), encode_chunked=True,
-                 headers={"Authorization": f"Bearer {JOB_TOKEN}", "Content-Type": "application/json",
-                          "Transfer-Encoding": "chunked"})
+    conn.request(
+        "POST",
+        INCIDENTS,
+        body=iter([body[:2000], body[2000:]]),
+        encode_chunked=True,
+        headers={
+            "Authorization": f"Bearer {JOB_TOKEN}",
+            "Content-Type": "application/json",
+            "Transfer-Encoding": "chunked",
+        },
+    )
     resp = conn.getresponse()
     assert resp.status == 413
     conn.close()
@@ -130,17 +145,21 @@ def test_oversized_streamed_body_refused(serve: object) -> None:
     assert small.status == 201  # the limit refuses only what is too large
 
 
-@pytest.mark.parametrize("body,content_type,status,code", [
-    (b"{", "application/json", 400, "malformed"),
-    (b"\xff\xfe", "application/json", 400, "malformed"),
-    (b'{"a": NaN}', "application/json", 400, "malformed"),
-    (b'"\\ud800"', "application/json", 400, "malformed"),
-    (b"[]", "application/json", 422, "invalid_incident"),
-    (b'{"schema": "replicheck.incident", "version": 2}', "application/json", 422, "invalid_incident"),
-    (b"id=1", "application/x-www-form-urlencoded", 415, "unsupported_media_type"),
-])
-def test_bad_bodies_refused_and_nothing_stored(live: Live, body: bytes, content_type: str, status: int,
-                                               code: str) -> None:
+@pytest.mark.parametrize(
+    "body,content_type,status,code",
+    [
+        (b"{", "application/json", 400, "malformed"),
+        (b"\xff\xfe", "application/json", 400, "malformed"),
+        (b'{"a": NaN}', "application/json", 400, "malformed"),
+        (b'"\\ud800"', "application/json", 400, "malformed"),
+        (b"[]", "application/json", 422, "invalid_incident"),
+        (b'{"schema": "replicheck.incident", "version": 2}', "application/json", 422, "invalid_incident"),
+        (b"id=1", "application/x-www-form-urlencoded", 415, "unsupported_media_type"),
+    ],
+)
+def test_bad_bodies_refused_and_nothing_stored(
+    live: Live, body: bytes, content_type: str, status: int, code: str
+) -> None:
     """Malformed, non-JSON and schema-violating bodies get a 4xx JSON error; nothing is stored and
     an incident already stored is untouched."""
     kept = _awaiting(live)
@@ -152,12 +171,15 @@ def test_bad_bodies_refused_and_nothing_stored(live: Live, body: bytes, content_
         assert ctl.store.get_record(kept).state is State.AWAITING_APPROVAL
 
 
-@pytest.mark.parametrize("field,value,message", [
-    ("step", -1, "'step' must be a non-negative integer"),
-    ("check", "vibes", "'check' must be one of"),
-    ("time", "2025-01-01T00:00:00", "needs a UTC offset"),
-    ("suspects", [{"rank": 1}], "suspect 'node' must be an object"),
-])
+@pytest.mark.parametrize(
+    "field,value,message",
+    [
+        ("step", -1, "'step' must be a non-negative integer"),
+        ("check", "vibes", "'check' must be one of"),
+        ("time", "2025-01-01T00:00:00", "needs a UTC offset"),
+        ("suspects", [{"rank": 1}], "suspect 'node' must be an object"),
+    ],
+)
 def test_schema_violation_names_the_field(live: Live, field: str, value: object, message: str) -> None:
     """A schema violation is a 422 whose message is the incident parser's, naming the field."""
     data = make_incident().to_dict()
@@ -167,9 +189,14 @@ def test_schema_violation_names_the_field(live: Live, field: str, value: object,
     assert _counts(live) == (0, 0)
 
 
-@pytest.mark.parametrize("field,value,named", [("id", "team/\u03b1 job 7", "id"),
-                                               ("job_id", "n1 state=idle", "job_id"),
-                                               ("suspect_nodes", ["node[1-4]"], "node name")])
+@pytest.mark.parametrize(
+    "field,value,named",
+    [
+        ("id", "team/\u03b1 job 7", "id"),
+        ("job_id", "n1 state=idle", "job_id"),
+        ("suspect_nodes", ["node[1-4]"], "node name"),
+    ],
+)
 def test_ingest_grammar_violation_is_refused(live: Live, field: str, value: object, named: str) -> None:
     """A body that parses but breaks the ingest grammar (as files are checked) is a 422 naming the
     field, and nothing is stored, not even a rejected row."""
@@ -186,7 +213,10 @@ def test_list_and_show(live: Live) -> None:
     other = make_incident(job="job2")
     call(live.url, "POST", INCIDENTS, other.to_json(), token=JOB_TOKEN)
     listing = call(live.url, "GET", INCIDENTS, token=ALICE_TOKEN).json()
-    assert {i["id"]: i["state"] for i in listing["incidents"]} == {iid: "awaiting_approval", other.id: "detected"}
+    assert {i["id"]: i["state"] for i in listing["incidents"]} == {
+        iid: "awaiting_approval",
+        other.id: "detected",
+    }
     only = call(live.url, "GET", f"{INCIDENTS}?state=awaiting_approval", token=ALICE_TOKEN).json()
     assert [i["id"] for i in only["incidents"]] == [iid]
     bad = call(live.url, "GET", f"{INCIDENTS}?state=sleeping", token=ALICE_TOKEN)
@@ -194,7 +224,10 @@ def test_list_and_show(live: Live) -> None:
     detail = call(live.url, "GET", f"{INCIDENTS}/{iid}", token=ALICE_TOKEN).json()
     assert detail["decision_pending"] is True and detail["record"]["cordoned"] == ["n2"]
     assert detail["incident"]["evidence"]["replay"]["pairs"][0]["agree"] is False
-    assert "n2" in detail["consequences"]["approve"] and "checkpoint step 30" in detail["consequences"]["approve"]
+    assert (
+        "n2" in detail["consequences"]["approve"]
+        and "checkpoint step 30" in detail["consequences"]["approve"]
+    )
     assert "cordon on n2 is lifted" in detail["consequences"]["dismiss"]
     assert any(a["what"] == "detected -> cordoned" for a in detail["audit"])
     missing = call(live.url, "GET", f"{INCIDENTS}/nope", token=ALICE_TOKEN)
@@ -256,7 +289,9 @@ def test_second_decision_and_stale_state_conflict(live: Live) -> None:
     assert call(live.url, "POST", f"{INCIDENTS}/{iid}/dismiss", token=ALICE_TOKEN).status == 200
     late = call(live.url, "POST", f"{INCIDENTS}/{iid}/approve", token=ALICE_TOKEN)
     assert late.status == 409 and late.json()["error"]["code"] == "conflict"
-    stale = call(live.url, "POST", f"{INCIDENTS}/{other}/dismiss", {"expect_state": "cordoned"}, token=ALICE_TOKEN)
+    stale = call(
+        live.url, "POST", f"{INCIDENTS}/{other}/dismiss", {"expect_state": "cordoned"}, token=ALICE_TOKEN
+    )
     assert stale.status == 409
     with live.controller(max_replacements=0) as ctl:  # approved, then held by the blast-radius limit
         ctl.approve(other, by="carol")
@@ -264,21 +299,32 @@ def test_second_decision_and_stale_state_conflict(live: Live) -> None:
         assert ctl.store.get_record(other).state is State.APPROVED
     again = call(live.url, "POST", f"{INCIDENTS}/{other}/dismiss", token=ALICE_TOKEN)
     assert again.status == 409 and "approved by carol" in again.json()["error"]["message"]
-    overrule = call(live.url, "POST", f"{INCIDENTS}/{other}/dismiss", {"expect_state": "approved"},
-                    token=ALICE_TOKEN)
+    overrule = call(
+        live.url, "POST", f"{INCIDENTS}/{other}/dismiss", {"expect_state": "approved"}, token=ALICE_TOKEN
+    )
     assert overrule.status == 200 and overrule.json()["record"]["state"] == "dismissed"
 
 
 def test_openapi_describes_every_endpoint(live: Live) -> None:
     """/openapi.json lists every API path, both bearer schemes and the incident schema."""
     doc = call(live.url, "GET", "/openapi.json").json()
-    assert {INCIDENTS, f"{INCIDENTS}/{{incident_id}}", f"{INCIDENTS}/{{incident_id}}/approve",
-            f"{INCIDENTS}/{{incident_id}}/dismiss", "/api/v1/whoami", "/metrics", "/healthz"} <= set(doc["paths"])
+    assert {
+        INCIDENTS,
+        f"{INCIDENTS}/{{incident_id}}",
+        f"{INCIDENTS}/{{incident_id}}/approve",
+        f"{INCIDENTS}/{{incident_id}}/dismiss",
+        "/api/v1/whoami",
+        "/metrics",
+        "/healthz",
+    } <= set(doc["paths"])
     schemes = doc["components"]["securitySchemes"]
     assert schemes["jobToken"]["scheme"] == "bearer" and schemes["operatorToken"]["scheme"] == "bearer"
     post = doc["paths"][INCIDENTS]["post"]
     assert post["security"] == [{"jobToken": []}]
-    assert post["requestBody"]["content"]["application/json"]["schema"]["$ref"] == "#/components/schemas/Incident"
+    assert (
+        post["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+        == "#/components/schemas/Incident"
+    )
     incident = doc["components"]["schemas"]["Incident"]
     assert {"id", "job_id", "step", "check", "schema", "version"} <= set(incident["required"])
     assert "Suspect" in doc["components"]["schemas"]
@@ -344,4 +390,7 @@ def test_odd_incident_ids_round_trip(live: Live) -> None:
     with live.controller() as ctl:
         ctl.reconcile()
     assert call(live.url, "GET", path, token=ALICE_TOKEN).json()["incident"]["id"] == data["id"]
-    assert call(live.url, "POST", path + "/approve", token=ALICE_TOKEN).json()["record"]["approved_by"] == "alice"
+    assert (
+        call(live.url, "POST", path + "/approve", token=ALICE_TOKEN).json()["record"]["approved_by"]
+        == "alice"
+    )

@@ -10,7 +10,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 from httpkit import ALICE_TOKEN, call, cluster, make_incident, write_tokens
@@ -31,8 +30,13 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def _start(args: list[str], env: dict[str, str]) -> tuple[subprocess.Popen[str], str]:
-    proc = subprocess.Popen([sys.executable, "-m", "replicheck", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "replicheck", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
     deadline = time.monotonic() + 60
     assert proc.stdout is not None
     seen = []
@@ -80,9 +84,10 @@ def test_controller_run_with_http(tmp_path: Path, tokens: tuple[Path, Path]) -> 
     db = tmp_path / "c.db"
     cluster(db)
     job, operator = tokens
-    proc, url = _start(["controller", "run", "--db", str(db), "--apply", "--http", "127.0.0.1:0",
-                        "--interval", "60"],
-                       _env(REPLICHECK_JOB_TOKEN_FILE=str(job), REPLICHECK_OPERATOR_TOKEN_FILE=str(operator)))
+    proc, url = _start(
+        ["controller", "run", "--db", str(db), "--apply", "--http", "127.0.0.1:0", "--interval", "60"],
+        _env(REPLICHECK_JOB_TOKEN_FILE=str(job), REPLICHECK_OPERATOR_TOKEN_FILE=str(operator)),
+    )
     try:
         inc = make_incident()
         assert post_incident(inc, PostConfig(url=url, token=read_token(job))).delivered
@@ -99,15 +104,45 @@ def test_controller_serve(tmp_path: Path, tokens: tuple[Path, Path]) -> None:
     db = tmp_path / "c.db"
     cluster(db)
     job, operator = tokens
-    missing = subprocess.run([sys.executable, "-m", "replicheck", "controller", "serve", "--db",
-                              str(tmp_path / "none.db"), "--operator-token-file", str(operator)],
-                             capture_output=True, text=True, env=_env(), timeout=60)
+    missing = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "replicheck",
+            "controller",
+            "serve",
+            "--db",
+            str(tmp_path / "none.db"),
+            "--operator-token-file",
+            str(operator),
+        ],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=60,
+    )
     assert missing.returncode == 2 and "no controller database" in missing.stderr
-    no_token = subprocess.run([sys.executable, "-m", "replicheck", "controller", "serve", "--db", str(db),
-                               "--http", "127.0.0.1:0"], capture_output=True, text=True, env=_env(), timeout=60)
+    no_token = subprocess.run(
+        [sys.executable, "-m", "replicheck", "controller", "serve", "--db", str(db), "--http", "127.0.0.1:0"],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=60,
+    )
     assert no_token.returncode == 2 and "--operator-token-file" in no_token.stderr
-    proc, url = _start(["controller", "serve", "--db", str(db), "--http", "127.0.0.1:0",
-                        "--operator-token-file", str(operator)], _env())
+    proc, url = _start(
+        [
+            "controller",
+            "serve",
+            "--db",
+            str(db),
+            "--http",
+            "127.0.0.1:0",
+            "--operator-token-file",
+            str(operator),
+        ],
+        _env(),
+    )
     try:
         assert call(url, "GET", "/").status == 200
         assert call(url, "GET", "/api/v1/incidents", token=ALICE_TOKEN).json()["incidents"] == []
@@ -128,7 +163,12 @@ def test_http_package_never_imports_torch(tmp_path: Path, tokens: tuple[Path, Pa
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
         "print('clean')\n"
     )
-    run = subprocess.run([sys.executable, "-c", code, str(tmp_path / "c.db"), str(operator), str(job)],
-                         capture_output=True, text=True, env=_env(), timeout=60)
+    run = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "c.db"), str(operator), str(job)],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=60,
+    )
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == "clean"

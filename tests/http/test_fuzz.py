@@ -4,20 +4,24 @@ accepted payload is stored and readable back."""
 from __future__ import annotations
 
 import json
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
+from httpkit import ALICE_TOKEN, JOB_TOKEN, Live, call, make_incident
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from httpkit import ALICE_TOKEN, JOB_TOKEN, Live, call, make_incident
 
 pytestmark = pytest.mark.timeout(600)
 
 BASE = make_incident().to_dict()
 
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(min_value=-(2**70), max_value=2**70)
-    | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=20),
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=20),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
     max_leaves=12,
 )
@@ -36,10 +40,19 @@ def mutated_incident(draw: st.DrawFn) -> dict[str, Any]:
     if draw(st.booleans()):
         data[draw(st.text(max_size=10))] = draw(json_values)
     if draw(st.booleans()):
-        data["suspects"] = draw(st.lists(st.fixed_dictionaries(
-            {"rank": st.integers(-2, 2**40), "node": st.fixed_dictionaries({"name": st.text(max_size=10)},
-                                                                            optional={"hostname": json_values})}),
-            max_size=3))
+        data["suspects"] = draw(
+            st.lists(
+                st.fixed_dictionaries(
+                    {
+                        "rank": st.integers(-2, 2**40),
+                        "node": st.fixed_dictionaries(
+                            {"name": st.text(max_size=10)}, optional={"hostname": json_values}
+                        ),
+                    }
+                ),
+                max_size=3,
+            )
+        )
     return data
 
 
@@ -62,14 +75,18 @@ def module_live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
     cluster(db)
     job, operator = write_tokens(d)
     tokens = read_token_file(job, Role.JOB) + read_token_file(operator, Role.OPERATOR)
-    server = BackgroundServer(create_app(HttpConfig(db_path=str(db), tokens=tokens, max_body_bytes=65536)),
-                              "127.0.0.1", 0).start()
+    server = BackgroundServer(
+        create_app(HttpConfig(db_path=str(db), tokens=tokens, max_body_bytes=65536)), "127.0.0.1", 0
+    ).start()
     yield Live(server.url, db, job, operator)
     server.stop()
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                   HealthCheck.too_slow])
+@settings(
+    max_examples=300,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 @given(body=payloads)
 def test_no_incident_payload_gives_5xx(module_live: Live, body: bytes) -> None:
     """Whatever is posted, the answer is 2xx or a 4xx JSON error; what was accepted can be read back."""
@@ -90,7 +107,9 @@ def test_accepted_fuzzed_incidents_show_and_list(module_live: Live) -> None:
     for item in reply.json()["incidents"][:50]:
         from urllib.parse import quote
 
-        shown = call(module_live.url, "GET", "/api/v1/incidents/" + quote(item["id"], safe=""), token=ALICE_TOKEN)
+        shown = call(
+            module_live.url, "GET", "/api/v1/incidents/" + quote(item["id"], safe=""), token=ALICE_TOKEN
+        )
         assert shown.status < 500
 
 
@@ -98,5 +117,7 @@ def test_accepted_fuzzed_incidents_show_and_list(module_live: Live) -> None:
 @given(header=st.text(alphabet=st.characters(min_codepoint=32, max_codepoint=255), max_size=60))
 def test_no_authorization_header_gives_5xx(module_live: Live, header: str) -> None:
     """Arbitrary Authorization headers on an operator endpoint are refused with 401, never 5xx."""
-    reply = call(module_live.url, "GET", "/api/v1/incidents", headers={"Authorization": header.strip() or "x"})
+    reply = call(
+        module_live.url, "GET", "/api/v1/incidents", headers={"Authorization": header.strip() or "x"}
+    )
     assert reply.status == 401 and reply.json()["error"]["code"] == "unauthorized"

@@ -14,7 +14,7 @@ from replicheck.controller import Controller, ControllerConfig
 
 pytestmark = pytest.mark.timeout(120)
 
-T0 = dt.datetime(2025, 1, 1, tzinfo=dt.timezone.utc)
+T0 = dt.datetime(2025, 1, 1, tzinfo=dt.UTC)
 
 
 def scrape(live: Live) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -62,8 +62,13 @@ def test_metrics_scraped(live: Live) -> None:
     assert value(m, "replicheck_detection_to_approval_seconds_count") == 1
     assert value(m, "replicheck_detection_to_approval_seconds_sum") == pytest.approx(630.0)
     assert value(m, "replicheck_http_auth_refusals_total", status="401") == 1
-    assert value(m, "replicheck_http_requests_total", method="GET", route="/api/v1/incidents", status="200") == 1
-    assert value(m, "replicheck_http_requests_total", method="POST", route="/api/v1/incidents", status="201") == 2
+    assert (
+        value(m, "replicheck_http_requests_total", method="GET", route="/api/v1/incidents", status="200") == 1
+    )
+    assert (
+        value(m, "replicheck_http_requests_total", method="POST", route="/api/v1/incidents", status="201")
+        == 2
+    )
 
 
 def test_failures_and_rejected_bodies_counted(live: Live) -> None:

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 from httpkit import ALICE_TOKEN, JOB_TOKEN, Live, call, make_incident
@@ -18,8 +19,16 @@ from replicheck.controller import LocalBackend, State
 pytestmark = pytest.mark.timeout(180)
 
 CHROMIUM = os.environ.get("REPLICHECK_CHROMIUM", "/usr/bin/chromium")
-ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-        "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-dev-shm-usage"]
+ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+    "--disable-dev-shm-usage",
+]
 
 
 def _need_browser() -> Any:
@@ -74,7 +83,9 @@ def test_approve_from_the_page(live: Live, page: Any, tmp_path: Path) -> None:
     link.click()
     page.wait_for_selector("#decision:not([hidden])")
     assert page.inner_text("#state") == "awaiting_approval"
-    assert "n2" in page.inner_text("#approve-text") and "checkpoint step 30" in page.inner_text("#approve-text")
+    assert "n2" in page.inner_text("#approve-text") and "checkpoint step 30" in page.inner_text(
+        "#approve-text"
+    )
     assert "DISAGREE" in page.inner_text("#pairs")
     assert "FAILED" in page.inner_text("#triage")
     assert "n2.cluster" in page.inner_text("#suspects")

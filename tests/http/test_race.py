@@ -6,7 +6,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from httpkit import ALICE_TOKEN, JOB_TOKEN, Live, SHARED_TOKEN, call, cluster, make_incident
+from httpkit import ALICE_TOKEN, JOB_TOKEN, SHARED_TOKEN, Live, call, cluster, make_incident
 
 from replicheck.controller import Controller, ControllerConfig, State
 from replicheck.controller.errors import DecisionConflictError
@@ -37,11 +37,14 @@ def test_http_approve_racing_dismiss(live: Live) -> None:
 
         def send(decision: str, token: str, body: dict[str, str]) -> None:
             barrier.wait(timeout=30)
-            statuses[decision] = call(live.url, "POST", f"/api/v1/incidents/{iid}/{decision}", body,
-                                      token=token).status
+            statuses[decision] = call(
+                live.url, "POST", f"/api/v1/incidents/{iid}/{decision}", body, token=token
+            ).status
 
-        threads = [threading.Thread(target=send, args=("approve", ALICE_TOKEN, {})),
-                   threading.Thread(target=send, args=("dismiss", SHARED_TOKEN, {"by": "bob"}))]
+        threads = [
+            threading.Thread(target=send, args=("approve", ALICE_TOKEN, {})),
+            threading.Thread(target=send, args=("dismiss", SHARED_TOKEN, {"by": "bob"})),
+        ]
         for t in threads:
             t.start()
         for t in threads:
@@ -54,7 +57,8 @@ def test_http_approve_racing_dismiss(live: Live) -> None:
             assert (record.approved_by is None) != (record.dismissed_by is None)
             assert len(_decisions(ctl, iid)) == 1
             assert [a.what for a in ctl.store.audit_rows(iid) if a.what.endswith("requested")] == [
-                f"{winner} requested"]
+                f"{winner} requested"
+            ]
 
 
 def test_store_level_race_between_two_controllers(tmp_path: Path) -> None:

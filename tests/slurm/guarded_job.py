@@ -38,19 +38,24 @@ def main() -> int:
     from replicheck.codes import EXIT_CORRUPTION
     from replicheck.faults import Fault
     from replicheck.guard import CorruptionDetected, Guard, GuardConfig
-    from replicheck.incident import write_incident
+    from replicheck.guard.runtime import RuntimeInfo
     from replicheck.harness.jobs import JobSpec, batch_for, build
     from replicheck.harness.launch import RankContext
-    from replicheck.guard.runtime import RuntimeInfo
     from replicheck.harness.workloads import DecoderConfig, lm_loss
+    from replicheck.incident import write_incident
 
     torch.set_num_threads(1)
     rank, world = int(os.environ["SLURM_PROCID"]), int(os.environ["SLURM_NTASKS"])
     here = RuntimeInfo.from_env().node.name
     out = Path(args.out)
     (out / f"rank-{rank}").write_text(f"{here} {rank}\n")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{args.port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=60),
+    )
     try:
         spec = JobSpec(model=DecoderConfig(vocab=64, d_model=32, n_layers=2, n_heads=2, seq_len=16), batch=4)
         model, opt = build(spec, RankContext(rank=rank, world_size=world, node=here, nodes=()))
@@ -63,12 +68,19 @@ def main() -> int:
             (out / f"resumed-{rank}").write_text(f"{here} {start - 1}\n")
         # node=None: the guard names this task's node from the environment (SLURMD_NODENAME).
         verified = store.loaded.checkpoint.last_verified_step if store.loaded is not None else None
-        guard = Guard(model, opt, lm_loss, config=GuardConfig(verify_every=10, weights_every=10, start_step=start,
-                                                              resume_verified_step=verified))
+        guard = Guard(
+            model,
+            opt,
+            lm_loss,
+            config=GuardConfig(
+                verify_every=10, weights_every=10, start_step=start, resume_verified_step=verified
+            ),
+        )
         if args.fault_rank is not None:
             # Bad hardware on one rank: the public injector, a no-op on every other rank.
-            Fault.at_forward("blocks.0.ffn").persistent(from_step=args.fault_onset).scale(2.0) \
-                .on_rank(args.fault_rank).install(model, optimizer=opt, guard=guard, rank=rank)
+            Fault.at_forward("blocks.0.ffn").persistent(from_step=args.fault_onset).scale(2.0).on_rank(
+                args.fault_rank
+            ).install(model, optimizer=opt, guard=guard, rank=rank)
         try:
             for step in range(start, args.stop_step):
                 guard.step(*batch_for(spec, step, rank))

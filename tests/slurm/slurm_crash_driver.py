@@ -13,8 +13,9 @@ import json
 import os
 import signal
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from replicheck.controller import Controller, ControllerConfig, State
 from replicheck.controller.backends.commands import CommandResult, CommandRunner
@@ -31,8 +32,10 @@ class LoggingRunner(CommandRunner):
 
     def run(self, argv: Sequence[str], *, check: bool = True) -> CommandResult:
         name = Path(argv[0]).name
-        if (name == "scontrol" and argv[1] in ("update", "requeue", "requeuehold", "release")) \
-                or name in ("sbatch", "replace.sh"):
+        if (name == "scontrol" and argv[1] in ("update", "requeue", "requeuehold", "release")) or name in (
+            "sbatch",
+            "replace.sh",
+        ):
             fd = os.open(self.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
             os.write(fd, (" ".join(argv) + "\n").encode())
             os.close(fd)
@@ -68,16 +71,41 @@ def main() -> int:
     if mode == "custom":
         options["replace_command"] = (os.environ["REPLACE_SCRIPT"], "{node}", "{marker}")
     if mode == "resubmit":
-        options = {"resume_mode": "resubmit", "resubmit_command": (
-            "sbatch", "--parsable", "-o", "/dev/null", "--exclude={exclude}", "--comment={marker}",
-            "--job-name=resumed-{job_id}", "--wrap", "sleep 600")}
+        options = {
+            "resume_mode": "resubmit",
+            "resubmit_command": (
+                "sbatch",
+                "--parsable",
+                "-o",
+                "/dev/null",
+                "--exclude={exclude}",
+                "--comment={marker}",
+                "--job-name=resumed-{job_id}",
+                "--wrap",
+                "sleep 600",
+            ),
+        }
     backend = SlurmBackend(SlurmConfig(slurm_conf=conf, **options), runner=LoggingRunner(conf, log))
-    inc = Incident(id=f"{job}-s10-replay", job_id=job, step=10, check="replay", suspect_ranks=(1,),
-                   suspect_nodes=(NODE,), classification="persistent",
-                   suspects=(Suspect(1, NodeIdentity(name=NODE, slurm_node=NODE)),),
-                   recommended_checkpoint={"step": 5, "path": str(here)}, world_size=4)
-    config = ControllerConfig(apply=True, auto_approve=mode != "dismiss", triage=False, return_timeout_s=0,
-                              return_poll_s=0, retry_base_delay_s=0)
+    inc = Incident(
+        id=f"{job}-s10-replay",
+        job_id=job,
+        step=10,
+        check="replay",
+        suspect_ranks=(1,),
+        suspect_nodes=(NODE,),
+        classification="persistent",
+        suspects=(Suspect(1, NodeIdentity(name=NODE, slurm_node=NODE)),),
+        recommended_checkpoint={"step": 5, "path": str(here)},
+        world_size=4,
+    )
+    config = ControllerConfig(
+        apply=True,
+        auto_approve=mode != "dismiss",
+        triage=False,
+        return_timeout_s=0,
+        return_poll_s=0,
+        retry_base_delay_s=0,
+    )
     with Controller(db, backend=KillAt(backend, point) if point else backend, config=config) as ctl:  # type: ignore[arg-type]
         ctl.ingest(inc)
         for _ in range(20):

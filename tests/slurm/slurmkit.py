@@ -10,8 +10,8 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 BINARIES = ("munged", "slurmctld", "slurmd", "scontrol", "sinfo", "sbatch", "squeue")
 
@@ -60,10 +60,19 @@ class SlurmCluster:
         key.write_bytes(os.urandom(1024))
         key.chmod(0o600)
         self.socket = r / "munge" / "munge.socket"
-        self._spawn([_which("munged"), "--foreground", "--force", f"--socket={self.socket}",
-                     f"--key-file={key}", f"--pid-file={r / 'munge' / 'munged.pid'}",
-                     f"--log-file={r / 'log' / 'munged.log'}", f"--seed-file={r / 'munge' / 'seed'}"],
-                    "munged")
+        self._spawn(
+            [
+                _which("munged"),
+                "--foreground",
+                "--force",
+                f"--socket={self.socket}",
+                f"--key-file={key}",
+                f"--pid-file={r / 'munge' / 'munged.pid'}",
+                f"--log-file={r / 'log' / 'munged.log'}",
+                f"--seed-file={r / 'munge' / 'seed'}",
+            ],
+            "munged",
+        )
         self._wait(lambda: self.socket.exists(), timeout, "munged socket")
         ports = free_ports(1 + len(self.nodes))
         self.conf.write_text(self._config(ports[0], ports[1:]))
@@ -89,8 +98,14 @@ class SlurmCluster:
 
     def _spawn(self, argv: Sequence[str], name: str) -> None:
         log = open(self.root / "log" / f"{name}.out", "wb")
-        proc = subprocess.Popen(list(argv), stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+        proc = subprocess.Popen(
+            list(argv),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=self.env,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         log.close()
         (self.root / f"{name}.popen.pid").write_text(str(proc.pid))
         self._procs.append(proc)
@@ -114,23 +129,46 @@ class SlurmCluster:
             "ClusterName=replicheck-test",
             f"SlurmctldHost={host}(127.0.0.1)",
             f"SlurmctldPort={ctl_port}",
-            "SlurmUser=root", "SlurmdUser=root",
-            "AuthType=auth/munge", "CredType=cred/munge", f"AuthInfo=socket={self.socket}",
-            f"StateSaveLocation={r / 'state'}", f"SlurmdSpoolDir={r / 'spool' / '%n'}",
-            f"SlurmctldPidFile={r / 'slurmctld.pid'}", f"SlurmdPidFile={r / 'slurmd-%n.pid'}",
-            f"SlurmctldLogFile={r / 'log' / 'slurmctld.log'}", f"SlurmdLogFile={r / 'log' / 'slurmd-%n.log'}",
-            "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none", "JobAcctGatherType=jobacct_gather/none",
-            "AccountingStorageType=accounting_storage/none", "JobCompType=jobcomp/none",
-            "SchedulerType=sched/builtin", "SelectType=select/cons_tres", "SelectTypeParameters=CR_CPU",
-            "SlurmdParameters=config_overrides", "MpiDefault=none", "SwitchType=switch/none",
-            "ReturnToService=2", "JobRequeue=1", "KillWait=2", "MinJobAge=600",
-            "SlurmctldTimeout=30", "SlurmdTimeout=60", "InactiveLimit=0", "Waittime=0",
+            "SlurmUser=root",
+            "SlurmdUser=root",
+            "AuthType=auth/munge",
+            "CredType=cred/munge",
+            f"AuthInfo=socket={self.socket}",
+            f"StateSaveLocation={r / 'state'}",
+            f"SlurmdSpoolDir={r / 'spool' / '%n'}",
+            f"SlurmctldPidFile={r / 'slurmctld.pid'}",
+            f"SlurmdPidFile={r / 'slurmd-%n.pid'}",
+            f"SlurmctldLogFile={r / 'log' / 'slurmctld.log'}",
+            f"SlurmdLogFile={r / 'log' / 'slurmd-%n.log'}",
+            "ProctrackType=proctrack/linuxproc",
+            "TaskPlugin=task/none",
+            "JobAcctGatherType=jobacct_gather/none",
+            "AccountingStorageType=accounting_storage/none",
+            "JobCompType=jobcomp/none",
+            "SchedulerType=sched/builtin",
+            "SelectType=select/cons_tres",
+            "SelectTypeParameters=CR_CPU",
+            "SlurmdParameters=config_overrides",
+            "MpiDefault=none",
+            "SwitchType=switch/none",
+            "ReturnToService=2",
+            "JobRequeue=1",
+            "KillWait=2",
+            "MinJobAge=600",
+            "SlurmctldTimeout=30",
+            "SlurmdTimeout=60",
+            "InactiveLimit=0",
+            "Waittime=0",
         ]
         for node, port in zip(self.nodes, node_ports):
-            lines.append(f"NodeName={node} NodeHostname={host} NodeAddr=127.0.0.1 Port={port} CPUs=2 "
-                         "RealMemory=256 State=UNKNOWN")
-        lines.append(f"PartitionName={self.partition} Nodes={','.join(self.nodes)} Default=YES "
-                     "MaxTime=INFINITE State=UP")
+            lines.append(
+                f"NodeName={node} NodeHostname={host} NodeAddr=127.0.0.1 Port={port} CPUs=2 "
+                "RealMemory=256 State=UNKNOWN"
+            )
+        lines.append(
+            f"PartitionName={self.partition} Nodes={','.join(self.nodes)} Default=YES "
+            "MaxTime=INFINITE State=UP"
+        )
         return "\n".join(lines) + "\n"
 
     # --- client helpers ---------------------------------------------------------------------
@@ -177,8 +215,10 @@ class SlurmCluster:
         while time.monotonic() < deadline:
             for proc in self._procs:
                 if proc.poll() is not None:
-                    raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode} while waiting for {what}\n"
-                                       f"{self.logs()}")
+                    raise RuntimeError(
+                        f"{proc.args[0]} exited with {proc.returncode} while waiting for {what}\n"
+                        f"{self.logs()}"
+                    )
             try:
                 if cond():
                     return

@@ -26,8 +26,9 @@ FAULT_RANK, FAULT_ONSET, STOP = 3, 23, 40  # detected by the replay of step 30; 
 
 def cli(slurm: SlurmCluster, *args: str) -> subprocess.CompletedProcess[str]:
     env = {**slurm.env, "PYTHONPATH": str(SRC)}
-    return subprocess.run([sys.executable, "-m", "replicheck", *args], capture_output=True, text=True,
-                          env=env, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "replicheck", *args], capture_output=True, text=True, env=env, timeout=120
+    )
 
 
 def wait_job(slurm: SlurmCluster, job: str, timeout: float = 120) -> dict[str, str]:
@@ -47,12 +48,26 @@ def test_detect_drain_approve_replace_resubmit(slurm: SlurmCluster, tmp_path: Pa
     incidents.mkdir()
     out.mkdir()
     first_port, resume_port = free_ports(2)
-    task = (f"{sys.executable} {JOB} --incident-dir {incidents} --checkpoint-dir {ckpts} --out {out} "
-            f"--stop-step {STOP}")
+    task = (
+        f"{sys.executable} {JOB} --incident-dir {incidents} --checkpoint-dir {ckpts} --out {out} "
+        f"--stop-step {STOP}"
+    )
     env_export = f"--export=ALL,PYTHONPATH={SRC}"
-    job = slurm.run("sbatch", "--parsable", "-N2", "--ntasks-per-node=2", env_export, "-o", str(out / "first.log"),
-                    "--wrap", f"srun {task} --port {first_port} --fault-rank {FAULT_RANK} "
-                    f"--fault-onset {FAULT_ONSET}").stdout.strip().split(";")[0]
+    job = (
+        slurm.run(
+            "sbatch",
+            "--parsable",
+            "-N2",
+            "--ntasks-per-node=2",
+            env_export,
+            "-o",
+            str(out / "first.log"),
+            "--wrap",
+            f"srun {task} --port {first_port} --fault-rank {FAULT_RANK} --fault-onset {FAULT_ONSET}",
+        )
+        .stdout.strip()
+        .split(";")[0]
+    )
     fields = wait_job(slurm, job)
     assert fields["ExitCode"] == f"{EXIT_CORRUPTION}:0", (fields, (out / "first.log").read_text())
     where = {int(r): n for n, r in (p.read_text().split() for p in out.glob("rank-*"))}  # rank -> its node
@@ -69,7 +84,8 @@ def test_detect_drain_approve_replace_resubmit(slurm: SlurmCluster, tmp_path: Pa
         f"incident_dirs = ['{incidents}']\n"
         "[slurm]\nresume_mode = 'resubmit'\n"
         "resubmit_command = ['sbatch', '--parsable', '-N2', '--ntasks-per-node=2', '--exclude={exclude}', "
-        f"'--comment={{marker}}', '{env_export}', '-o', '{out}/resumed.log', '--wrap', \"{resume_wrap}\"]\n")
+        f"'--comment={{marker}}', '{env_export}', '-o', '{out}/resumed.log', '--wrap', \"{resume_wrap}\"]\n"
+    )
     db = str(tmp_path / "ctl.db")
     run = cli(slurm, "controller", "run", "--db", db, "--config", str(config), "--once")
     assert run.returncode == 0, run.stderr
@@ -87,9 +103,26 @@ def test_detect_drain_approve_replace_resubmit(slurm: SlurmCluster, tmp_path: Pa
     assert slurm.node_states()[node] == ("fail", "Action:Replace")
 
     slurm.scontrol("update", f"nodename={node}", "state=resume")  # the cloud brings the node back
-    proc = subprocess.Popen([sys.executable, "-m", "replicheck", "controller", "run", "--db", db, "--config",
-                             str(config), "--interval", "0.2", "--passes", "30"],
-                            env={**slurm.env, "PYTHONPATH": str(SRC)}, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "replicheck",
+            "controller",
+            "run",
+            "--db",
+            db,
+            "--config",
+            str(config),
+            "--interval",
+            "0.2",
+            "--passes",
+            "30",
+        ],
+        env={**slurm.env, "PYTHONPATH": str(SRC)},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         stdout, _ = proc.communicate(timeout=120)
     finally:
@@ -99,8 +132,10 @@ def test_detect_drain_approve_replace_resubmit(slurm: SlurmCluster, tmp_path: Pa
     shown = json.loads(cli(slurm, "incidents", "show", incident_id, "--json", "--db", db).stdout)
     new_job = shown["record"]["resume"]["job_id"]
     resubmitted = wait_job(slurm, new_job)
-    assert resubmitted["JobState"] == "COMPLETED" and resubmitted["Comment"].startswith("replicheck:"), \
-        (resubmitted, (out / "resumed.log").read_text())
+    assert resubmitted["JobState"] == "COMPLETED" and resubmitted["Comment"].startswith("replicheck:"), (
+        resubmitted,
+        (out / "resumed.log").read_text(),
+    )
     resumed = [p.read_text().split() for p in out.glob("resumed-*")]
     finished = [p.read_text().split() for p in out.glob("done-*")]
     assert len(resumed) == 4 and {step for _, step in resumed} == {"20"}, resumed

@@ -5,8 +5,9 @@ from __future__ import annotations
 import datetime as dt
 import time
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import pytest
 from slurmkit import SlurmCluster
@@ -42,10 +43,18 @@ def backend(slurm: SlurmCluster, **kw: Any) -> tuple[SlurmBackend, CountingRunne
 
 
 def incident(node: str, job: str = "42", classification: str = "persistent") -> Incident:
-    return Incident(id=f"{job}-s10-replay", job_id=job, step=10, check="replay", suspect_ranks=(1,),
-                    suspect_nodes=(node,), classification=classification,  # type: ignore[arg-type]
-                    suspects=(Suspect(1, NodeIdentity(name=node, slurm_node=node)),),
-                    recommended_checkpoint={"step": 5, "path": "/ck/5"}, world_size=2)
+    return Incident(
+        id=f"{job}-s10-replay",
+        job_id=job,
+        step=10,
+        check="replay",
+        suspect_ranks=(1,),
+        suspect_nodes=(node,),
+        classification=classification,  # type: ignore[arg-type]
+        suspects=(Suspect(1, NodeIdentity(name=node, slurm_node=node)),),
+        recommended_checkpoint={"step": 5, "path": "/ck/5"},
+        world_size=2,
+    )
 
 
 def test_cordon_drains_with_reason_once(slurm: SlurmCluster) -> None:
@@ -154,8 +163,10 @@ def test_last_schedulable_node_is_not_drained(slurm: SlurmCluster, tmp_path: Pat
 def test_triage_compares_selftest_with_reference_node(slurm: SlurmCluster, tmp_path: Path) -> None:
     """Triage runs the configured self-test command for the suspect and a healthy node and records the comparison."""
     fake = tmp_path / "selftest.sh"
-    fake.write_text('#!/bin/sh\nif [ "$1" = node2 ]; then f=bad0; else f=600d; fi\n'
-                    'echo "{\\"fingerprint\\": \\"$f\\", \\"node\\": \\"$1\\"}"\n')
+    fake.write_text(
+        '#!/bin/sh\nif [ "$1" = node2 ]; then f=bad0; else f=600d; fi\n'
+        'echo "{\\"fingerprint\\": \\"$f\\", \\"node\\": \\"$1\\"}"\n'
+    )
     fake.chmod(0o755)
     b, _ = backend(slurm, selftest_command=(str(fake), "{node}"))
     with Controller(tmp_path / "c.db", backend=b, config=ControllerConfig(apply=True)) as ctl:
@@ -172,7 +183,7 @@ def test_unreachable_scheduler_retried_then_failed(private_slurm: SlurmCluster, 
     private_slurm.stop_controller()
     b = SlurmBackend(SlurmConfig(slurm_conf=str(private_slurm.conf), command_timeout_s=20))
     config = ControllerConfig(apply=True, retry_max_attempts=2, retry_base_delay_s=60)
-    now = [dt.datetime.now(dt.timezone.utc)]
+    now = [dt.datetime.now(dt.UTC)]
     with Controller(tmp_path / "c.db", backend=b, config=config, clock=lambda: now[0]) as ctl:
         ctl.ingest(incident("node1"))
         ctl.reconcile()

@@ -27,16 +27,33 @@ class Run:
 
     def __init__(self, slurm: SlurmCluster, tmp_path: Path, mode: str, job: str) -> None:
         self.slurm, self.mode, self.job = slurm, mode, job
-        self.db, self.log, self.tally = tmp_path / "c.db", tmp_path / "commands.log", tmp_path / "replaced.txt"
+        self.db, self.log, self.tally = (
+            tmp_path / "c.db",
+            tmp_path / "commands.log",
+            tmp_path / "replaced.txt",
+        )
         script = tmp_path / "replace.sh"
         script.write_text(f'#!/bin/sh\necho "$1 $2" >> {self.tally}\n')
         script.chmod(0o755)
         self.env = {**slurm.env, "PYTHONPATH": str(SRC), "REPLACE_SCRIPT": str(script)}
 
     def drive(self, point: str = "") -> dict[str, str]:
-        proc = subprocess.run([sys.executable, str(DRIVER), str(self.db), str(self.slurm.conf), str(self.log),
-                               self.mode, self.job, *([point] if point else [])],
-                              capture_output=True, text=True, env=self.env, timeout=180)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                str(DRIVER),
+                str(self.db),
+                str(self.slurm.conf),
+                str(self.log),
+                self.mode,
+                self.job,
+                *([point] if point else []),
+            ],
+            capture_output=True,
+            text=True,
+            env=self.env,
+            timeout=180,
+        )
         if point:
             assert proc.returncode == -signal.SIGKILL, proc.stdout + proc.stderr
             return {}
@@ -140,6 +157,6 @@ def test_resubmit_in_doubt_past_min_job_age_is_not_repeated(slurm: SlurmCluster,
     with pytest.raises(PermanentBackendError, match="MinJobAge=600s"):
         b.resume(old, "old-s1-replay:resume:old")
     assert not tally.exists()
-    recent = dataclasses.replace(old, previous_attempt_at=dt.datetime.now(dt.timezone.utc).isoformat())
+    recent = dataclasses.replace(old, previous_attempt_at=dt.datetime.now(dt.UTC).isoformat())
     b.resume(recent, "old-s1-replay:resume:old")  # absence within MinJobAge proves nothing ran: submit
     assert len(tally.read_text().splitlines()) == 1

@@ -16,23 +16,30 @@ from replicheck.controller.errors import PermanentBackendError
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(120)]
 
 
-@pytest.mark.parametrize(("job", "checkpoint", "message"), [
-    ("--wrap=reboot", {"step": 5, "path": "/ck"}, "job id"),
-    ("42", {"step": 5, "path": "/ck\n--wrap=id"}, "checkpoint path"),
-    ("42", {"step": 5, "path": "-o/etc/passwd"}, "checkpoint path"),
-    ("42", {"step": 5, "path": "/ck\x00x"}, "checkpoint path"),
-    ("42", {"step": "5; id", "path": "/ck"}, "checkpoint step"),
-    ("\u0664\u0662", {"step": 5, "path": "/ck"}, "job id"),
-])
-def test_resubmit_template_values_are_checked(slurm: SlurmCluster, tmp_path: Path, job: str,
-                                              checkpoint: dict[str, object], message: str) -> None:
+@pytest.mark.parametrize(
+    ("job", "checkpoint", "message"),
+    [
+        ("--wrap=reboot", {"step": 5, "path": "/ck"}, "job id"),
+        ("42", {"step": 5, "path": "/ck\n--wrap=id"}, "checkpoint path"),
+        ("42", {"step": 5, "path": "-o/etc/passwd"}, "checkpoint path"),
+        ("42", {"step": 5, "path": "/ck\x00x"}, "checkpoint path"),
+        ("42", {"step": "5; id", "path": "/ck"}, "checkpoint step"),
+        ("\u0664\u0662", {"step": 5, "path": "/ck"}, "job id"),
+    ],
+)
+def test_resubmit_template_values_are_checked(
+    slurm: SlurmCluster, tmp_path: Path, job: str, checkpoint: dict[str, object], message: str
+) -> None:
     """An option-like job id, a newline/NUL/option in the checkpoint path or a non-integer step never reaches sbatch."""
     tally = tmp_path / "argv.txt"
     script = tmp_path / "submit.sh"
     script.write_text(f'#!/bin/sh\necho "$@" >> {tally}\necho 1\n')
     script.chmod(0o755)
-    b, _ = backend(slurm, resume_mode="resubmit",
-                   resubmit_command=(str(script), "--comment={marker}", "{job_id}", "{checkpoint}", "{step}"))
+    b, _ = backend(
+        slurm,
+        resume_mode="resubmit",
+        resubmit_command=(str(script), "--comment={marker}", "{job_id}", "{checkpoint}", "{step}"),
+    )
     with pytest.raises(PermanentBackendError, match=message):
         b.resume(ResumeRequest("inc-s1-replay", job, checkpoint, ()), "inc-s1-replay:resume:42")
     assert not tally.exists()
@@ -42,7 +49,9 @@ def test_job_name_cannot_fake_the_requeue_marker(slurm: SlurmCluster) -> None:
     """A finished job whose name contains Comment=<marker> is still requeued (once)."""
     key = "inc:resume:job"
     name = f"evil Comment=replicheck:{key}"
-    job = slurm.run("sbatch", "--parsable", "-N1", "-o", "/dev/null", "-J", name, "--wrap", "exit 3").stdout.strip()
+    job = slurm.run(
+        "sbatch", "--parsable", "-N1", "-o", "/dev/null", "-J", name, "--wrap", "exit 3"
+    ).stdout.strip()
     deadline = time.monotonic() + 30
     while "JobState=FAILED" not in slurm.scontrol("show", "job", job).stdout:
         assert time.monotonic() < deadline

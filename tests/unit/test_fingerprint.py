@@ -19,8 +19,11 @@ def test_every_single_bit_flip_changes_the_digest(dtype: torch.dtype) -> None:
     for i in range(x.numel()):
         for bit in range(x.element_size() * 8):
             y = x.clone()
-            y.view(ints).view(-1)[i] ^= torch.tensor(1, dtype=ints) << bit if bit < x.element_size() * 8 - 1 \
+            y.view(ints).view(-1)[i] ^= (
+                torch.tensor(1, dtype=ints) << bit
+                if bit < x.element_size() * 8 - 1
                 else torch.tensor(torch.iinfo(ints).min, dtype=ints)
+            )
             assert fp.tensor_digest(y) != base, (i, bit)
 
 

@@ -22,8 +22,15 @@ TINY = DecoderConfig(vocab=32, d_model=16, n_layers=1, n_heads=2, seq_len=8)
 
 
 @pytest.mark.parametrize(
-    "kwargs", [{"verify_every": 0}, {"mode": "fuzzy"}, {"probe": "half"}, {"probe_size": 0},
-               {"tolerance_floor": 1.0, "tolerance_ceiling": 0.1}, {"weights_every": -1}],
+    "kwargs",
+    [
+        {"verify_every": 0},
+        {"mode": "fuzzy"},
+        {"probe": "half"},
+        {"probe_size": 0},
+        {"tolerance_floor": 1.0, "tolerance_ceiling": 0.1},
+        {"weights_every": -1},
+    ],
 )
 def test_invalid_config_raises_typed_error(kwargs: dict) -> None:
     """Each invalid setting raises GuardConfigError rather than failing later."""
@@ -61,8 +68,13 @@ def test_single_process_transient_fault_is_caught_and_update_withheld(tmp_path) 
         return out + 1.0 if current_pass() == "probe" else None
 
     model.blocks[0].ffn.register_forward_hook(hook)
-    guard = Guard(model, opt, lm_loss, config=GuardConfig(verify_every=1, incident_dir=str(tmp_path), job_id="j"),
-                  node="solo")
+    guard = Guard(
+        model,
+        opt,
+        lm_loss,
+        config=GuardConfig(verify_every=1, incident_dir=str(tmp_path), job_id="j"),
+        node="solo",
+    )
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(CorruptionDetected) as err:
         guard.step(synthetic_batch(TINY, step=0, rank=0, batch=4))

@@ -24,21 +24,31 @@ pytestmark = pytest.mark.timeout(60)
 
 def _payload() -> ProbePayload:
     batch = {"tokens": torch.arange(6).reshape(2, 3)}
-    return ProbePayload(step=7, source=1, batch=batch, weight=0.25, seed=12345, size=2,
-                        result=ProbeResult(loss=1.5, fingerprint=torch.tensor([3, -4], dtype=torch.int64)))
+    return ProbePayload(
+        step=7,
+        source=1,
+        batch=batch,
+        weight=0.25,
+        seed=12345,
+        size=2,
+        result=ProbeResult(loss=1.5, fingerprint=torch.tensor([3, -4], dtype=torch.int64)),
+    )
 
 
 def test_probe_payload_survives_the_point_to_point_serialisation() -> None:
     """A probe payload encoded, packed, unpacked (weights_only) and decoded equals the original."""
     sent = _payload()
-    got = ArbitrationRequest.decode(unpack(pack(ArbitrationRequest(payload=sent, verifier_result=sent.result)
-                                                .encode()))).payload
+    got = ArbitrationRequest.decode(
+        unpack(pack(ArbitrationRequest(payload=sent, verifier_result=sent.result).encode()))
+    ).payload
     assert (got.step, got.source, got.weight, got.seed, got.size) == (7, 1, 0.25, 12345, 2)
     assert torch.equal(got.batch["tokens"], sent.batch["tokens"])
     assert got.result.loss == 1.5 and torch.equal(got.result.fingerprint, sent.result.fingerprint)
 
 
-@pytest.mark.parametrize("wire", [None, {"step": 1}, ("replicheck.probe/1", 1, 2), ("other", 1, 2, 3, 4, 5, 6, 7, 8)])
+@pytest.mark.parametrize(
+    "wire", [None, {"step": 1}, ("replicheck.probe/1", 1, 2), ("other", 1, 2, 3, 4, 5, 6, 7, 8)]
+)
 def test_malformed_probe_payload_raises_typed_error(wire: object) -> None:
     """Anything that is not an encoded probe payload raises WireFormatError, not a KeyError."""
     with pytest.raises(WireFormatError):
@@ -47,8 +57,16 @@ def test_malformed_probe_payload_raises_typed_error(wire: object) -> None:
 
 def test_step_row_round_trips_every_column_bit_for_bit() -> None:
     """A step row keeps floats (NaN, -0.0, inf included) and int64 digests exactly through its row."""
-    row = StepRow(loss=-0.0, local_norm=math.inf, reduced=-(1 << 63), weights=(1 << 63) - 1, optimizer=5,
-                  verified=True, pair_distance=float("nan"), noise=1e-300)
+    row = StepRow(
+        loss=-0.0,
+        local_norm=math.inf,
+        reduced=-(1 << 63),
+        weights=(1 << 63) - 1,
+        optimizer=5,
+        verified=True,
+        pair_distance=float("nan"),
+        noise=1e-300,
+    )
     (back,) = StepRow.decode(torch.stack([row.encode()]))
     assert math.copysign(1.0, back.loss) == -1.0 and back.local_norm == math.inf
     assert (back.reduced, back.weights, back.optimizer, back.verified) == (-(1 << 63), (1 << 63) - 1, 5, True)

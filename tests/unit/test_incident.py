@@ -21,10 +21,17 @@ pytestmark = pytest.mark.timeout(30)
 
 def sample() -> Incident:
     return Incident(
-        id="job1-s30-replay", job_id="job1", step=30, check="replay", suspect_ranks=(1,),
-        suspect_nodes=("node0",), classification="persistent",
+        id="job1-s30-replay",
+        job_id="job1",
+        step=30,
+        check="replay",
+        suspect_ranks=(1,),
+        suspect_nodes=("node0",),
+        classification="persistent",
         suspects=(Suspect(rank=1, node=NodeIdentity(name="node0", slurm_node="node0")),),
-        evidence={"pairs": [{"source": 1, "verifier": 2, "agree": False}]}, last_verified_step=20, world_size=4,
+        evidence={"pairs": [{"source": 1, "verifier": 2, "agree": False}]},
+        last_verified_step=20,
+        world_size=4,
         checks_failed=("replay",),
     )
 

@@ -17,8 +17,11 @@ TINY = DecoderConfig(vocab=32, d_model=16, n_layers=1, n_heads=2, seq_len=8)
 
 
 def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for f in text_string_to_metric_families(text) for s in f.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+    }
 
 
 def test_counts_steps_verifications_and_mismatches(tmp_path: Path) -> None:
@@ -48,9 +51,13 @@ def test_counts_steps_verifications_and_mismatches(tmp_path: Path) -> None:
     m = _samples(path.read_text())
     labels = (("job", "j"), ("kind", "verified"), ("rank", "0"))
     assert m[("replicheck_training_steps_total", labels)] == 5
-    assert m[("replicheck_training_mismatches_total", (("check", "replay"), ("job", "j"), ("rank", "0")))] == 1
+    assert (
+        m[("replicheck_training_mismatches_total", (("check", "replay"), ("job", "j"), ("rank", "0")))] == 1
+    )
     assert m[("replicheck_training_replica_checks_total", (("job", "j"), ("rank", "0")))] == 1
-    assert m[("replicheck_training_step_seconds_total", (("job", "j"), ("kind", "plain"), ("rank", "0")))] == 5.5
+    assert (
+        m[("replicheck_training_step_seconds_total", (("job", "j"), ("kind", "plain"), ("rank", "0")))] == 5.5
+    )
 
 
 def test_invalid_identity_refused() -> None:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from replicheck.incident import json_safe
 
@@ -16,15 +17,28 @@ REFERENCE_ROWS: tuple[tuple[str, str], ...] = (
 )
 """The published reference figures (AWS, SageMaker HyperPod SDC detection)."""
 
-COLUMNS = ("scenario", "fault (where / when / what)", "nodes × ranks", "mode", "onset step", "detected at",
-           "steps applied while corrupted", "check that fired", "suspect right?", "classification",
-           "false alarms", "as expected?")
+COLUMNS = (
+    "scenario",
+    "fault (where / when / what)",
+    "nodes × ranks",
+    "mode",
+    "onset step",
+    "detected at",
+    "steps applied while corrupted",
+    "check that fired",
+    "suspect right?",
+    "classification",
+    "false alarms",
+    "as expected?",
+)
 
 
 def write_json(rows: Sequence[Mapping[str, Any]], path: Path, meta: Mapping[str, Any]) -> Path:
     """``{"meta": ..., "scenarios": [...]}`` as strict JSON."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(json_safe({"meta": dict(meta), "scenarios": list(rows)}), indent=1, allow_nan=False))
+    path.write_text(
+        json.dumps(json_safe({"meta": dict(meta), "scenarios": list(rows)}), indent=1, allow_nan=False)
+    )
     return path
 
 
@@ -56,12 +70,18 @@ def row_cells(row: Mapping[str, Any]) -> list[str]:
     if row.get("error"):
         expected = "**ERROR**"
     return [
-        f"`{row['name']}`", fault_text, f"{row['nodes']} × {row['gpus_per_node']}", row["mode"]
-        + (f", verify every {row['verify_every']}" if row["verify_every"] != 10 else ""),
+        f"`{row['name']}`",
+        fault_text,
+        f"{row['nodes']} × {row['gpus_per_node']}",
+        row["mode"] + (f", verify every {row['verify_every']}" if row["verify_every"] != 10 else ""),
         "–" if row.get("onset") is None else str(row["onset"]),
         "not detected" if row.get("detected_at") is None else str(row["detected_at"]),
-        _applied(row), row.get("check") or "–", _suspect(row), row.get("classification") or "–",
-        str(row.get("false_alarms", 0)), expected,
+        _applied(row),
+        row.get("check") or "–",
+        _suspect(row),
+        row.get("classification") or "–",
+        str(row.get("false_alarms", 0)),
+        expected,
     ]
 
 
@@ -70,14 +90,21 @@ def markdown(rows: Sequence[Mapping[str, Any]], meta: Mapping[str, Any], plots: 
     out = ["# Fault-injection campaign", ""]
     if meta.get("command"):
         out += ["Made with:", "", "```", str(meta["command"]), "```", ""]
-    out += [f"Job: {meta.get('job', '')}. Wall time {meta.get('seconds', 0):.0f} s on {meta.get('cpus', '?')} "
-            f"CPU cores, torch {meta.get('torch', '?')}.", ""]
+    out += [
+        f"Job: {meta.get('job', '')}. Wall time {meta.get('seconds', 0):.0f} s on {meta.get('cpus', '?')} "
+        f"CPU cores, torch {meta.get('torch', '?')}.",
+        "",
+    ]
     out += ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for row in rows:
         out.append("| " + " | ".join(_cell(c) for c in row_cells(row)) + " |")
-    out += ["", "Steps applied while corrupted: optimizer updates applied from the first corruption "
-            "until the step before detection (or the end of the run); the replicas' state descends "
-            "from each of them. Detection stops the update of the step it happens on.", ""]
+    out += [
+        "",
+        "Steps applied while corrupted: optimizer updates applied from the first corruption "
+        "until the step before detection (or the end of the run); the replicas' state descends "
+        "from each of them. Detection stops the update of the step it happens on.",
+        "",
+    ]
     out += ["## Published reference (AWS, SageMaker HyperPod)", "", "| case | published |", "|---|---|"]
     out += [f"| {a} | {b} |" for a, b in REFERENCE_ROWS]
     out += ["", "## Notes per scenario", ""]
@@ -94,12 +121,17 @@ def markdown(rows: Sequence[Mapping[str, Any]], meta: Mapping[str, Any], plots: 
             line += f" [timeline]({row['name']}.png)"
         out.append(line)
     if not plots:
-        out += ["", "Timeline plots were not made: install the `plot` extra (`pip install 'replicheck[plot]'`, "
-                "i.e. matplotlib) and run the command again."]
+        out += [
+            "",
+            "Timeline plots were not made: install the `plot` extra (`pip install 'replicheck[plot]'`, "
+            "i.e. matplotlib) and run the command again.",
+        ]
     return "\n".join(out) + "\n"
 
 
-def write_markdown(rows: Sequence[Mapping[str, Any]], path: Path, meta: Mapping[str, Any], plots: bool) -> Path:
+def write_markdown(
+    rows: Sequence[Mapping[str, Any]], path: Path, meta: Mapping[str, Any], plots: bool
+) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(markdown(rows, meta, plots))
     return path

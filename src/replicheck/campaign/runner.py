@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
+from replicheck.campaign.scenarios import JobDefaults, Scenario
 from replicheck.faults.injector import Corruption, Fault
 from replicheck.faults.noise import KernelNoise
-from replicheck.campaign.scenarios import JobDefaults, Scenario
 from replicheck.guard import GuardConfig
 from replicheck.harness.jobs import JobResult, JobSpec, train
 from replicheck.harness.launch import RankContext, node_names, run_local
@@ -24,8 +25,15 @@ from replicheck.harness.launch import RankContext, node_names, run_local
 _MAX_RECORDS = 50
 
 
-def install_for_campaign(ctx: RankContext, model: torch.nn.Module, optimizer: torch.optim.Optimizer, guard: Any,
-                         *, fault: Fault | None, noise: KernelNoise | None) -> list[Corruption]:
+def install_for_campaign(
+    ctx: RankContext,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    guard: Any,
+    *,
+    fault: Fault | None,
+    noise: KernelNoise | None,
+) -> list[Corruption]:
     """The job's setup hook: simulated kernel noise on every rank, the fault on its rank."""
     if noise is not None:
         noise.install(model, rank=ctx.rank)
@@ -63,13 +71,28 @@ def resolve(scenario: Scenario, defaults: JobDefaults) -> Job:
     if fault is not None:
         rank = fault.rank if fault.rank is not None else defaults.fault_rank
         fault = replace(fault, rank=rank % (nodes * per), seed=fault.seed or defaults.seed)
-    guard = GuardConfig(verify_every=ve, weights_every=we, mode=mode, seed=defaults.seed,
-                        job_id=f"campaign-{scenario.name}")
+    guard = GuardConfig(
+        verify_every=ve, weights_every=we, mode=mode, seed=defaults.seed, job_id=f"campaign-{scenario.name}"
+    )
     setup = functools.partial(install_for_campaign, fault=fault, noise=scenario.noise)
-    spec = JobSpec(steps=defaults.steps, batch=defaults.batch, model=defaults.model, guard=guard,
-                   seed=defaults.seed, setup=setup)
-    return Job(scenario=scenario, nodes=nodes, gpus_per_node=per, mode=mode, verify_every=ve,
-               weights_every=we, fault=fault, spec=spec)
+    spec = JobSpec(
+        steps=defaults.steps,
+        batch=defaults.batch,
+        model=defaults.model,
+        guard=guard,
+        seed=defaults.seed,
+        setup=setup,
+    )
+    return Job(
+        scenario=scenario,
+        nodes=nodes,
+        gpus_per_node=per,
+        mode=mode,
+        verify_every=ve,
+        weights_every=we,
+        fault=fault,
+        spec=spec,
+    )
 
 
 @dataclass
@@ -159,28 +182,60 @@ def evaluate(job: Job, results: Sequence[JobResult], seconds: float) -> Scenario
         weight_checks += 1  # the failing step's comparison ran too
     expected_by = None
     if sc.expect == "detect" and onset is not None:
-        expected_by = min(first_check_at_or_after(onset, job.verify_every),
-                          first_check_at_or_after(onset, job.weights_every) if job.weights_every else 10**9)
+        expected_by = min(
+            first_check_at_or_after(onset, job.verify_every),
+            first_check_at_or_after(onset, job.weights_every) if job.weights_every else 10**9,
+        )
     if sc.expect == "detect":
-        ok = (detected is not None and expected_by is not None and onset is not None
-              and onset <= detected <= expected_by and bool(correct) and not false_alarm)
+        ok = (
+            detected is not None
+            and expected_by is not None
+            and onset is not None
+            and onset <= detected <= expected_by
+            and bool(correct)
+            and not false_alarm
+        )
     elif sc.expect == "undetected":
         ok = detected is None and bool(records)
     else:
         ok = detected is None
     losses = {str(r.rank): [r.losses.get(s) for s in range(_steps_run(results))] for r in results}
     return ScenarioOutcome(
-        name=sc.name, title=sc.title, fault=_describe(fault), nodes=job.nodes, gpus_per_node=job.gpus_per_node,
-        mode=job.mode, verify_every=job.verify_every, weights_every=job.weights_every, steps=job.spec.steps,
-        expect=sc.expect, onset=onset, first_corruption=first, corruptions=len(records), detected_at=detected,
+        name=sc.name,
+        title=sc.title,
+        fault=_describe(fault),
+        nodes=job.nodes,
+        gpus_per_node=job.gpus_per_node,
+        mode=job.mode,
+        verify_every=job.verify_every,
+        weights_every=job.weights_every,
+        steps=job.spec.steps,
+        expect=sc.expect,
+        onset=onset,
+        first_corruption=first,
+        corruptions=len(records),
+        detected_at=detected,
         check=incident["check"] if incident else None,
         checks_failed=list(incident.get("checks_failed", [])) if incident else [],
-        suspect_ranks=suspects, suspect_nodes=nodes, fault_rank=rank, fault_node=fault_node,
-        suspect_correct=correct, classification=incident["classification"] if incident else None,
-        applied_corrupted=applied, false_alarms=false_alarm, verifications=len(verified),
-        verification_pairs=len(verified) * job.world, weight_checks=weight_checks, expected_by=expected_by,
-        as_expected=ok, seconds=round(seconds, 2), note=sc.note, reference=sc.reference,
-        verified_steps=verified, losses=losses, records=[c.to_dict() for c in records[:_MAX_RECORDS]],
+        suspect_ranks=suspects,
+        suspect_nodes=nodes,
+        fault_rank=rank,
+        fault_node=fault_node,
+        suspect_correct=correct,
+        classification=incident["classification"] if incident else None,
+        applied_corrupted=applied,
+        false_alarms=false_alarm,
+        verifications=len(verified),
+        verification_pairs=len(verified) * job.world,
+        weight_checks=weight_checks,
+        expected_by=expected_by,
+        as_expected=ok,
+        seconds=round(seconds, 2),
+        note=sc.note,
+        reference=sc.reference,
+        verified_steps=verified,
+        losses=losses,
+        records=[c.to_dict() for c in records[:_MAX_RECORDS]],
         incident=incident,
     )
 
@@ -188,8 +243,14 @@ def evaluate(job: Job, results: Sequence[JobResult], seconds: float) -> Scenario
 def _describe(fault: Fault | None) -> dict[str, Any] | None:
     if fault is None:
         return None
-    return {"where": fault.where.describe() if fault.where else None, "when": fault.when.describe(),
-            "what": fault.what.describe(), "rank": fault.rank, "seed": fault.seed, "text": fault.describe()}
+    return {
+        "where": fault.where.describe() if fault.where else None,
+        "when": fault.when.describe(),
+        "what": fault.what.describe(),
+        "rank": fault.rank,
+        "seed": fault.seed,
+        "text": fault.describe(),
+    }
 
 
 def run_scenario(scenario: Scenario, defaults: JobDefaults) -> ScenarioOutcome:
@@ -197,25 +258,54 @@ def run_scenario(scenario: Scenario, defaults: JobDefaults) -> ScenarioOutcome:
     job = resolve(scenario, defaults)
     started = time.monotonic()
     try:
-        results = run_local(train, node_names(job.nodes, job.gpus_per_node), args=(job.spec,),
-                            timeout=defaults.timeout)
+        results = run_local(
+            train, node_names(job.nodes, job.gpus_per_node), args=(job.spec,), timeout=defaults.timeout
+        )
     except Exception as exc:  # noqa: BLE001 - a broken scenario is a row with its error, not a crash
         out = ScenarioOutcome(
-            name=scenario.name, title=scenario.title, fault=_describe(job.fault), nodes=job.nodes,
-            gpus_per_node=job.gpus_per_node, mode=job.mode, verify_every=job.verify_every,
-            weights_every=job.weights_every, steps=job.spec.steps, expect=scenario.expect,
-            onset=job.fault.onset if job.fault else None, first_corruption=None, corruptions=0, detected_at=None,
-            check=None, checks_failed=[], suspect_ranks=[], suspect_nodes=[],
-            fault_rank=job.fault.rank if job.fault else None, fault_node=None, suspect_correct=None,
-            classification=None, applied_corrupted=None, false_alarms=0, verifications=0, verification_pairs=0,
-            weight_checks=0, expected_by=None, as_expected=False, seconds=round(time.monotonic() - started, 2),
-            note=scenario.note, reference=scenario.reference, error=str(exc)[-2000:])
+            name=scenario.name,
+            title=scenario.title,
+            fault=_describe(job.fault),
+            nodes=job.nodes,
+            gpus_per_node=job.gpus_per_node,
+            mode=job.mode,
+            verify_every=job.verify_every,
+            weights_every=job.weights_every,
+            steps=job.spec.steps,
+            expect=scenario.expect,
+            onset=job.fault.onset if job.fault else None,
+            first_corruption=None,
+            corruptions=0,
+            detected_at=None,
+            check=None,
+            checks_failed=[],
+            suspect_ranks=[],
+            suspect_nodes=[],
+            fault_rank=job.fault.rank if job.fault else None,
+            fault_node=None,
+            suspect_correct=None,
+            classification=None,
+            applied_corrupted=None,
+            false_alarms=0,
+            verifications=0,
+            verification_pairs=0,
+            weight_checks=0,
+            expected_by=None,
+            as_expected=False,
+            seconds=round(time.monotonic() - started, 2),
+            note=scenario.note,
+            reference=scenario.reference,
+            error=str(exc)[-2000:],
+        )
         return out
     return evaluate(job, results, time.monotonic() - started)
 
 
-def run_campaign(scenarios: Sequence[Scenario], defaults: JobDefaults,
-                 on_done: Callable[[ScenarioOutcome], None] | None = None) -> list[ScenarioOutcome]:
+def run_campaign(
+    scenarios: Sequence[Scenario],
+    defaults: JobDefaults,
+    on_done: Callable[[ScenarioOutcome], None] | None = None,
+) -> list[ScenarioOutcome]:
     """Run every scenario in order; ``on_done`` is called after each (progress bars)."""
     outcomes = []
     for sc in scenarios:

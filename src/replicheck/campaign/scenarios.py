@@ -96,45 +96,100 @@ def default_scenarios() -> list[Scenario]:
     wgrad = Fault.at_weight_gradient(_WGRAD).persistent(from_step=23).zero_chunk()
     noise = KernelNoise(module="norm", rel=1e-6, seed=1)
     return [
-        Scenario(name="aws-persistent-3n", title="AWS case: persistent forward fault from step 23, 3 nodes",
-                 fault=fwd, nodes=3, gpus_per_node=1,
-                 reference="AWS: caught at step 30, steps 23-29 applied (verify every 10)"),
-        Scenario(name="aws-persistent-4n", title="AWS case: persistent forward fault from step 23, 4 nodes",
-                 fault=fwd, nodes=4, gpus_per_node=1,
-                 reference="AWS: caught at step 30, steps 23-29 applied (verify every 10)"),
-        Scenario(name="latency-first", title="Same fault, latency-first schedule (verify every step)",
-                 fault=fwd, verify_every=1, note="nothing corrupted is applied"),
-        Scenario(name="wgrad-exact", title="Backward-only weight-gradient fault (forward untouched), exact mode",
-                 fault=wgrad, mode="exact",
-                 reference="AWS: no alarm in 50 steps with default kernels"),
-        Scenario(name="wgrad-tolerant", title="Backward-only weight-gradient fault, tolerant mode, noisy kernels",
-                 fault=wgrad, mode="tolerant", noise=noise,
-                 note="every rank adds ~1e-6 relative noise (own generator) to the final norm",
-                 reference="AWS: no alarm in 50 steps with default kernels"),
-        Scenario(name="optimizer-update", title="Optimizer update corrupted from step 23",
-                 fault=Fault.at_optimizer_update("blocks.1.attn.qkv.weight").persistent(from_step=23).bitflip(bit=22)),
-        Scenario(name="weights-at-rest", title="One bit flipped in stored weights at step 23 (unverified step)",
-                 fault=Fault.at_weights("blocks.0.ffn.up.weight").transient(step=23).bitflip(bit=22),
-                 note="replicas then differ, so the weight check sees it"),
-        Scenario(name="reduced-gradient", title="Reduced gradient corrupted after the all-reduce, one-shot at step 23",
-                 fault=Fault.at_reduced_gradient().transient(step=23).bitflip(bit=22),
-                 note="per-step check: caught on the step itself"),
-        Scenario(name="transient-verified", title="One-shot forward fault at a verification step (30)",
-                 fault=Fault.at_forward(_FFN).transient(step=30).bitflip(bit=22)),
-        Scenario(name="transient-unverified", title="One-shot finite forward fault at an unverified step (25)",
-                 fault=Fault.at_forward(_FFN).transient(step=25).bitflip(bit=22), expect="undetected",
-                 note=("documented limit: the corrupted local gradient is averaged into every replica "
-                       "identically before any check can compare it; replicas stay bit-identical, so "
-                       "no later replay or weight check can see it"),
-                 reference="AWS: one-shot finite fault on an unverified step not caught"),
-        Scenario(name="nan", title="NaN in a forward activation from step 23",
-                 fault=Fault.at_forward(_FFN).persistent(from_step=23).nan(),
-                 note="per-step gradient health check, before the all-reduce"),
-        Scenario(name="sdc-mix", title="Published SDC mix in the block's matmuls from step 23",
-                 fault=Fault.at_forward(_FFN, ops="matmul").persistent(from_step=23).sdc_mix()),
+        Scenario(
+            name="aws-persistent-3n",
+            title="AWS case: persistent forward fault from step 23, 3 nodes",
+            fault=fwd,
+            nodes=3,
+            gpus_per_node=1,
+            reference="AWS: caught at step 30, steps 23-29 applied (verify every 10)",
+        ),
+        Scenario(
+            name="aws-persistent-4n",
+            title="AWS case: persistent forward fault from step 23, 4 nodes",
+            fault=fwd,
+            nodes=4,
+            gpus_per_node=1,
+            reference="AWS: caught at step 30, steps 23-29 applied (verify every 10)",
+        ),
+        Scenario(
+            name="latency-first",
+            title="Same fault, latency-first schedule (verify every step)",
+            fault=fwd,
+            verify_every=1,
+            note="nothing corrupted is applied",
+        ),
+        Scenario(
+            name="wgrad-exact",
+            title="Backward-only weight-gradient fault (forward untouched), exact mode",
+            fault=wgrad,
+            mode="exact",
+            reference="AWS: no alarm in 50 steps with default kernels",
+        ),
+        Scenario(
+            name="wgrad-tolerant",
+            title="Backward-only weight-gradient fault, tolerant mode, noisy kernels",
+            fault=wgrad,
+            mode="tolerant",
+            noise=noise,
+            note="every rank adds ~1e-6 relative noise (own generator) to the final norm",
+            reference="AWS: no alarm in 50 steps with default kernels",
+        ),
+        Scenario(
+            name="optimizer-update",
+            title="Optimizer update corrupted from step 23",
+            fault=Fault.at_optimizer_update("blocks.1.attn.qkv.weight")
+            .persistent(from_step=23)
+            .bitflip(bit=22),
+        ),
+        Scenario(
+            name="weights-at-rest",
+            title="One bit flipped in stored weights at step 23 (unverified step)",
+            fault=Fault.at_weights("blocks.0.ffn.up.weight").transient(step=23).bitflip(bit=22),
+            note="replicas then differ, so the weight check sees it",
+        ),
+        Scenario(
+            name="reduced-gradient",
+            title="Reduced gradient corrupted after the all-reduce, one-shot at step 23",
+            fault=Fault.at_reduced_gradient().transient(step=23).bitflip(bit=22),
+            note="per-step check: caught on the step itself",
+        ),
+        Scenario(
+            name="transient-verified",
+            title="One-shot forward fault at a verification step (30)",
+            fault=Fault.at_forward(_FFN).transient(step=30).bitflip(bit=22),
+        ),
+        Scenario(
+            name="transient-unverified",
+            title="One-shot finite forward fault at an unverified step (25)",
+            fault=Fault.at_forward(_FFN).transient(step=25).bitflip(bit=22),
+            expect="undetected",
+            note=(
+                "documented limit: the corrupted local gradient is averaged into every replica "
+                "identically before any check can compare it; replicas stay bit-identical, so "
+                "no later replay or weight check can see it"
+            ),
+            reference="AWS: one-shot finite fault on an unverified step not caught",
+        ),
+        Scenario(
+            name="nan",
+            title="NaN in a forward activation from step 23",
+            fault=Fault.at_forward(_FFN).persistent(from_step=23).nan(),
+            note="per-step gradient health check, before the all-reduce",
+        ),
+        Scenario(
+            name="sdc-mix",
+            title="Published SDC mix in the block's matmuls from step 23",
+            fault=Fault.at_forward(_FFN, ops="matmul").persistent(from_step=23).sdc_mix(),
+        ),
         Scenario(name="clean", title="Clean run", expect="clean"),
-        Scenario(name="clean-tolerant", title="Clean run, tolerant mode, noisy kernels", expect="clean",
-                 mode="tolerant", noise=noise),
+        Scenario(
+            name="clean-tolerant",
+            title="Clean run, tolerant mode, noisy kernels",
+            expect="clean",
+            mode="tolerant",
+            noise=noise,
+        ),
     ]
 
 
@@ -149,10 +204,16 @@ def select(scenarios: list[Scenario], names: str | None) -> list[Scenario]:
     if not names:
         return scenarios
     wanted = [n.strip() for n in names.split(",") if n.strip()]
-    out = [s for s in scenarios
-           if any(s.name == w or (w.endswith("*") and s.name.startswith(w[:-1])) for w in wanted)]
-    unknown = [w for w in wanted if not any(s.name == w or (w.endswith("*") and s.name.startswith(w[:-1]))
-                                            for s in scenarios)]
+    out = [
+        s
+        for s in scenarios
+        if any(s.name == w or (w.endswith("*") and s.name.startswith(w[:-1])) for w in wanted)
+    ]
+    unknown = [
+        w
+        for w in wanted
+        if not any(s.name == w or (w.endswith("*") and s.name.startswith(w[:-1])) for s in scenarios)
+    ]
     if unknown:
         raise FaultConfigError(f"unknown scenarios {unknown}; known: {[s.name for s in scenarios]}")
     return out

@@ -13,17 +13,18 @@ import os
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from replicheck.guard import GuardConfig, current_pass, current_step
 from replicheck.guard.config import Mode
+from replicheck.guard.modules import unwrap
 from replicheck.harness.jobs import JobSpec, train
 from replicheck.harness.launch import RankContext, node_names, run_local
-from replicheck.guard.modules import unwrap
 from replicheck.harness.workloads import DecoderConfig
 
 
@@ -85,7 +86,9 @@ class SoakResult:
         return asdict(self)
 
 
-def _progress_hook(ctx: RankContext, model: torch.nn.Module, opt: Any, guard: Any, *, path: str, every: int) -> None:
+def _progress_hook(
+    ctx: RankContext, model: torch.nn.Module, opt: Any, guard: Any, *, path: str, every: int
+) -> None:
     if ctx.rank != 0:
         return
     bare = unwrap(model)
@@ -103,10 +106,17 @@ def run_soak(cfg: SoakConfig, progress: Callable[[int], None] | None = None) -> 
     fd, path = tempfile.mkstemp(prefix="replicheck-soak-")
     os.close(fd)
     every = max(1, min(200, cfg.steps // 100 or 1))
-    guard = GuardConfig(verify_every=1, weights_every=cfg.weights_every, mode=cfg.mode,
-                        seed=cfg.seed, job_id="soak")
-    spec = JobSpec(steps=cfg.steps, batch=cfg.batch, model=cfg.model or soak_model(), guard=guard, seed=cfg.seed,
-                   setup=functools.partial(_progress_hook, path=path, every=every))
+    guard = GuardConfig(
+        verify_every=1, weights_every=cfg.weights_every, mode=cfg.mode, seed=cfg.seed, job_id="soak"
+    )
+    spec = JobSpec(
+        steps=cfg.steps,
+        batch=cfg.batch,
+        model=cfg.model or soak_model(),
+        guard=guard,
+        seed=cfg.seed,
+        setup=functools.partial(_progress_hook, path=path, every=every),
+    )
     stop = threading.Event()
 
     def watch() -> None:
@@ -124,7 +134,9 @@ def run_soak(cfg: SoakConfig, progress: Callable[[int], None] | None = None) -> 
     watcher.start()
     started = time.monotonic()
     try:
-        results = run_local(train, node_names(cfg.nodes, cfg.gpus_per_node), args=(spec,), timeout=cfg.timeout)
+        results = run_local(
+            train, node_names(cfg.nodes, cfg.gpus_per_node), args=(spec,), timeout=cfg.timeout
+        )
     finally:
         stop.set()
         watcher.join()
@@ -137,11 +149,17 @@ def run_soak(cfg: SoakConfig, progress: Callable[[int], None] | None = None) -> 
     if progress is not None:
         progress(done)
     return SoakResult(
-        steps=done, world=cfg.world, verification_steps=verified, verification_pairs=verified * cfg.world,
+        steps=done,
+        world=cfg.world,
+        verification_steps=verified,
+        verification_pairs=verified * cfg.world,
         weight_checks=len([s for s in range(done) if s % cfg.weights_every == 0]) if cfg.weights_every else 0,
-        false_alarms=int(incident is not None), seconds=round(seconds, 1),
+        false_alarms=int(incident is not None),
+        seconds=round(seconds, 1),
         ms_per_step=round(1000 * seconds / max(done, 1), 2),
-        final_loss=r0.losses.get(r0.last_step), first_loss=r0.losses.get(0), incident=incident,
+        final_loss=r0.losses.get(r0.last_step),
+        first_loss=r0.losses.get(0),
+        incident=incident,
         config={**asdict(cfg), "model": asdict(cfg.model or soak_model())},
     )
 
@@ -150,20 +168,39 @@ def soak_markdown(result: SoakResult, command: str, cpus: int, torch_version: st
     """``soak.md``: the figures, how they were made, and the reference."""
     r = result
     model = r.config["model"]
-    return "\n".join([
-        "# Soak: false alarms under clean training", "",
-        "Made with:", "", "```", command, "```", "",
-        f"Clean training of a tiny Llama-style decoder (d_model {model['d_model']}, {model['n_layers']} block, "
-        f"{model['seq_len']} tokens, batch {r.config['batch']} per rank) on {r.config['nodes']} simulated nodes × "
-        f"{r.config['gpus_per_node']} ranks (gloo, {cpus} CPU cores, torch {torch_version}), "
-        f"{r.config['mode']} mode, ring replay on every step, weights and optimizer state compared every "
-        f"{r.config['weights_every']} step(s).", "",
-        "| figure | replicheck | published reference (AWS) |", "|---|---|---|",
-        f"| verification pairs | {r.verification_pairs:,} ({r.verification_steps:,} steps × {r.world} ranks) | 15,320 |",
-        f"| weight checks | {r.weight_checks:,} | 3,080 |",
-        f"| false alarms | {r.false_alarms} | 0 |",
-        f"| wall time | {r.seconds / 60:.1f} min ({r.ms_per_step:.1f} ms per step) | – |",
-        f"| loss first → last step | {r.first_loss:.3f} → {r.final_loss:.3f} | – |"
-        if r.first_loss is not None and r.final_loss is not None else "| loss | – | – |",
-        "",
-    ] + ([f"First alarm: step {r.incident['step']}, check {r.incident['check']}."] if r.incident else [])) + "\n"
+    return (
+        "\n".join(
+            [
+                "# Soak: false alarms under clean training",
+                "",
+                "Made with:",
+                "",
+                "```",
+                command,
+                "```",
+                "",
+                f"Clean training of a tiny Llama-style decoder (d_model {model['d_model']}, {model['n_layers']} block, "
+                f"{model['seq_len']} tokens, batch {r.config['batch']} per rank) on {r.config['nodes']} simulated nodes × "
+                f"{r.config['gpus_per_node']} ranks (gloo, {cpus} CPU cores, torch {torch_version}), "
+                f"{r.config['mode']} mode, ring replay on every step, weights and optimizer state compared every "
+                f"{r.config['weights_every']} step(s).",
+                "",
+                "| figure | replicheck | published reference (AWS) |",
+                "|---|---|---|",
+                f"| verification pairs | {r.verification_pairs:,} ({r.verification_steps:,} steps × {r.world} ranks) | 15,320 |",
+                f"| weight checks | {r.weight_checks:,} | 3,080 |",
+                f"| false alarms | {r.false_alarms} | 0 |",
+                f"| wall time | {r.seconds / 60:.1f} min ({r.ms_per_step:.1f} ms per step) | – |",
+                f"| loss first → last step | {r.first_loss:.3f} → {r.final_loss:.3f} | – |"
+                if r.first_loss is not None and r.final_loss is not None
+                else "| loss | – | – |",
+                "",
+            ]
+            + (
+                [f"First alarm: step {r.incident['step']}, check {r.incident['check']}."]
+                if r.incident
+                else []
+            )
+        )
+        + "\n"
+    )

@@ -12,8 +12,9 @@ import hashlib
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import BinaryIO, Callable
+from typing import BinaryIO
 
 STAGING_PREFIX = ".tmp-"
 TRASH_PREFIX = ".trash-"

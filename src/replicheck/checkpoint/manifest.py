@@ -8,8 +8,9 @@ version with :class:`ManifestError` and never guesses.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from replicheck.checkpoint.errors import ManifestError
 from replicheck.timefmt import utc_iso
@@ -71,7 +72,9 @@ class Manifest:
         if not isinstance(data, Mapping):
             raise ManifestError("a manifest must be a JSON object")
         if data.get("format") != FORMAT:
-            raise ManifestError(f"not a replicheck checkpoint manifest (format={repr(data.get('format'))[:80]})")
+            raise ManifestError(
+                f"not a replicheck checkpoint manifest (format={repr(data.get('format'))[:80]})"
+            )
         if data.get("version") != FORMAT_VERSION:
             raise ManifestError(
                 f"unsupported manifest version {repr(data.get('version'))[:80]}; this build reads version "

@@ -12,7 +12,8 @@ with ``v`` replaced by the passing verification before ``v``.
 
 from __future__ import annotations
 
-from typing import Literal, Sequence
+from collections.abc import Sequence
+from typing import Literal
 
 from replicheck.checkpoint.errors import CheckpointConfigError
 from replicheck.checkpoint.manifest import Manifest
@@ -32,25 +33,34 @@ def last_pass(incident: Incident, manifests: Sequence[Manifest]) -> int | None:
     resumed without being told), the newest one recorded by a checkpoint saved before it."""
     if incident.last_verified_step is not None:
         return incident.last_verified_step
-    known = [m.last_verified_step for m in manifests
-             if m.step < incident.step and m.last_verified_step is not None]
+    known = [
+        m.last_verified_step for m in manifests if m.step < incident.step and m.last_verified_step is not None
+    ]
     return max(known) if known else None
 
 
 def previous_pass(v: int, manifests: Sequence[Manifest]) -> int | None:
     """The passing verification before ``v``: ``v - verify_every`` (every multiple of the period
     up to ``v`` passed, or the job would have stopped), else the newest other one recorded."""
-    periods = [m.verify_every for m in sorted(manifests, key=lambda m: m.step)
-               if m.step <= v and m.verify_every is not None]
+    periods = [
+        m.verify_every
+        for m in sorted(manifests, key=lambda m: m.step)
+        if m.step <= v and m.verify_every is not None
+    ]
     if periods:
         prev = v - periods[-1]
         return prev if prev >= 0 else None
-    older = [m.last_verified_step for m in manifests
-             if m.last_verified_step is not None and m.last_verified_step < v]
+    older = [
+        m.last_verified_step
+        for m in manifests
+        if m.last_verified_step is not None and m.last_verified_step < v
+    ]
     return max(older) if older else None
 
 
-def clean_bound(incident: Incident | None, manifests: Sequence[Manifest], policy: str = "last_pass") -> int | None:
+def clean_bound(
+    incident: Incident | None, manifests: Sequence[Manifest], policy: str = "last_pass"
+) -> int | None:
     """The newest step a clean checkpoint may hold; ``None`` without an incident means "any",
     and with an incident means no checkpoint is known clean (restart from the initial state)."""
     check_policy(policy)

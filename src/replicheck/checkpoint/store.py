@@ -8,9 +8,10 @@ import logging
 import os
 import re
 import warnings
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO, Callable, Mapping
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import torch
 
@@ -40,9 +41,9 @@ from replicheck.checkpoint.policy import (
     clean_bound,
     eligible,
 )
-from replicheck.incident import Incident, IncidentFormatError, read_incident
 from replicheck.guard.comm import Comm
 from replicheck.guard.modules import unwrap
+from replicheck.incident import Incident, IncidentFormatError, read_incident
 
 if TYPE_CHECKING:
     from replicheck.guard import Guard
@@ -137,7 +138,9 @@ def _as_incident(incident: IncidentLike) -> Incident:
             return read_incident(incident)
     except IncidentFormatError as exc:
         raise CheckpointConfigError(f"bad incident: {exc}") from exc
-    raise CheckpointConfigError(f"incident must be an Incident, a dict, JSON text or a path, not {type(incident).__name__}")
+    raise CheckpointConfigError(
+        f"incident must be an Incident, a dict, JSON text or a path, not {type(incident).__name__}"
+    )
 
 
 class CheckpointStore:
@@ -228,7 +231,9 @@ class CheckpointStore:
             guard.check_replicas()
             checked = comm.world_size > 1
         lineage = _Lineage(
-            last_verified_step=self._lineage_verified(guard.last_verified_step if guard is not None else None),
+            last_verified_step=self._lineage_verified(
+                guard.last_verified_step if guard is not None else None
+            ),
             verify_every=guard.config.verify_every if guard is not None else None,
             replicas_checked=checked,
             world_size=comm.world_size,
@@ -242,10 +247,14 @@ class CheckpointStore:
                 outcome = (False, f"{type(exc).__name__}: {exc}")
         written = comm.gather_objects(outcome)[self.writer_rank]
         if written is None:
-            raise CheckpointWriteError(f"rank {self.writer_rank} reported nothing for the checkpoint of step {step}")
+            raise CheckpointWriteError(
+                f"rank {self.writer_rank} reported nothing for the checkpoint of step {step}"
+            )
         ok, value = written
         if not ok:
-            raise CheckpointWriteError(f"rank {self.writer_rank} could not write the checkpoint of step {step}: {value}")
+            raise CheckpointWriteError(
+                f"rank {self.writer_rank} could not write the checkpoint of step {step}: {value}"
+            )
         manifest = Manifest.from_dict(value)
         return Checkpoint(step=step, path=self.directory / _dir_name(step), manifest=manifest)
 
@@ -256,15 +265,26 @@ class CheckpointStore:
             return self.loaded.checkpoint.last_verified_step
         return None
 
-    def _write(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, extra: Any,
-               lineage: _Lineage) -> Manifest:
+    def _write(
+        self,
+        step: int,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        extra: Any,
+        lineage: _Lineage,
+    ) -> Manifest:
         self.directory.mkdir(parents=True, exist_ok=True)
         atomic.clean_leftovers(self.directory)
         bare = unwrap(model)
         params = [p for _, p in fp.named_weights(bare, "all")]
         opt_state = optimizer.state_dict()
-        payload = {"format": _PAYLOAD_FORMAT, "step": step, "model": bare.state_dict(),
-                   "optimizer": opt_state, "extra": extra}
+        payload = {
+            "format": _PAYLOAD_FORMAT,
+            "step": step,
+            "model": bare.state_dict(),
+            "optimizer": opt_state,
+            "extra": extra,
+        }
         staged = atomic.staging_dir(self.directory, _dir_name(step))
         try:
             atomic.write_file(staged / PAYLOAD_NAME, lambda fh: torch.save(payload, fh))
@@ -301,8 +321,10 @@ class CheckpointStore:
                 self._verified.pop(entry, None)
                 log.warning("checkpoint %s belongs to an abandoned timeline: moved to %s", entry, moved[-1])
         if moved:
-            old = sorted((p for p in (self.directory / SUPERSEDED).iterdir() if p.is_dir()),
-                         key=lambda p: p.stat().st_mtime)
+            old = sorted(
+                (p for p in (self.directory / SUPERSEDED).iterdir() if p.is_dir()),
+                key=lambda p: p.stat().st_mtime,
+            )
             for p in old[: max(0, len(old) - self.keep)]:
                 atomic.remove_tree(p)
         return moved
@@ -322,9 +344,16 @@ class CheckpointStore:
         latest = latest or found[-1].manifest
         if latest.last_verified_step is None:
             return []
-        probe = Incident(id="retention", job_id="retention", step=latest.step + 1, check="replay",
-                         suspect_ranks=(), suspect_nodes=(), classification="ambiguous",
-                         last_verified_step=latest.last_verified_step)
+        probe = Incident(
+            id="retention",
+            job_id="retention",
+            step=latest.step + 1,
+            check="replay",
+            suspect_ranks=(),
+            suspect_nodes=(),
+            classification="ambiguous",
+            last_verified_step=latest.last_verified_step,
+        )
         keep = []
         manifests = [c.manifest for c in found]
         for policy in POLICIES:
@@ -336,7 +365,7 @@ class CheckpointStore:
 
     def _retain(self, latest: Manifest) -> None:
         found, _ = self.scan()
-        keep = {c.path for c in found[-self.keep:]} | {c.path for c in self.protected(latest)}
+        keep = {c.path for c in found[-self.keep :]} | {c.path for c in self.protected(latest)}
         for c in found:
             if c.path not in keep:
                 atomic.remove_tree(c.path)
@@ -344,7 +373,9 @@ class CheckpointStore:
                 log.info("retention: removed checkpoint of step %d", c.step)
 
     # -- choosing -----------------------------------------------------------------------------
-    def resume_point(self, incident: IncidentLike | None = None, policy: Policy = "last_pass") -> Checkpoint | None:
+    def resume_point(
+        self, incident: IncidentLike | None = None, policy: Policy = "last_pass"
+    ) -> Checkpoint | None:
         """The checkpoint to resume from, or ``None`` when no valid one qualifies (start over).
 
         Without an incident: the newest valid checkpoint. With one: the newest valid checkpoint
@@ -388,7 +419,8 @@ class CheckpointStore:
             raise CheckpointCorrupt(f"payload {manifest.payload} missing: {exc.strerror}") from None
         if st.st_size != manifest.payload_bytes:
             raise CheckpointCorrupt(
-                f"payload is {st.st_size} bytes, the manifest says {manifest.payload_bytes} (truncated or replaced)")
+                f"payload is {st.st_size} bytes, the manifest says {manifest.payload_bytes} (truncated or replaced)"
+            )
         key = (st.st_size, st.st_mtime_ns, manifest.payload_sha256)
         if self._verified.get(path) == key:
             return payload
@@ -409,21 +441,32 @@ class CheckpointStore:
         try:
             payload = torch.load(payload_path, map_location="cpu", weights_only=True)
         except Exception as exc:  # noqa: BLE001 - any unpickling failure means a bad payload
-            raise CheckpointCorrupt(f"payload does not load: {type(exc).__name__}: {str(exc)[:200]}") from None
+            raise CheckpointCorrupt(
+                f"payload does not load: {type(exc).__name__}: {str(exc)[:200]}"
+            ) from None
         if not isinstance(payload, dict) or payload.get("format") != _PAYLOAD_FORMAT:
             raise CheckpointCorrupt("payload is not a replicheck checkpoint payload")
         if payload.get("step") != manifest.step:
-            raise CheckpointCorrupt(f"payload holds step {payload.get('step')!r}, the manifest says {manifest.step}")
+            raise CheckpointCorrupt(
+                f"payload holds step {payload.get('step')!r}, the manifest says {manifest.step}"
+            )
         state, opt = payload.get("model"), payload.get("optimizer")
-        if not isinstance(state, Mapping) or not isinstance(opt, Mapping) or not isinstance(opt.get("state"), Mapping):
+        if (
+            not isinstance(state, Mapping)
+            or not isinstance(opt, Mapping)
+            or not isinstance(opt.get("state"), Mapping)
+        ):
             raise CheckpointCorrupt("payload lacks the model or optimizer state")
         names = [n for n, _ in fp.named_weights(unwrap(model), "all")]
         missing = [n for n in names if not isinstance(state.get(n), torch.Tensor)]
         if missing:
-            raise CheckpointMismatch(f"{ckpt.path}: the model's parameters {missing[:3]} are not in the checkpoint")
+            raise CheckpointMismatch(
+                f"{ckpt.path}: the model's parameters {missing[:3]} are not in the checkpoint"
+            )
         if len(names) != manifest.num_params:
             raise CheckpointMismatch(
-                f"{ckpt.path}: the model has {len(names)} parameter tensors, the checkpoint {manifest.num_params}")
+                f"{ckpt.path}: the model has {len(names)} parameter tensors, the checkpoint {manifest.num_params}"
+            )
         if digest_hex(fp.weights_digest(state[n] for n in names)) != manifest.weights_digest:
             raise CheckpointCorrupt("weight fingerprint does not match the manifest")
         if digest_hex(fp.optimizer_digest(opt["state"])) != manifest.optimizer_digest:
@@ -464,7 +507,9 @@ class CheckpointStore:
                 message = f"{cand.path}: {exc}"
                 refused.append(message)
                 more = i + 1 < len(candidates)
-                self._refuse(message + ("; trying the next older checkpoint" if more else "; no older checkpoint left"))
+                self._refuse(
+                    message + ("; trying the next older checkpoint" if more else "; no older checkpoint left")
+                )
                 continue
             self._restore(cand, manifest, payload, model, optimizer)
             chosen = dataclasses.replace(cand, manifest=manifest)
@@ -476,32 +521,54 @@ class CheckpointStore:
                     # Only the writer rank retires: raising here would end that rank alone while
                     # the others go on (a hang). The restore itself succeeded on every rank.
                     log.warning("could not move newer checkpoints to %s/: %s", SUPERSEDED, exc)
-                    warnings.warn(f"could not move newer checkpoints to {SUPERSEDED}/: {exc}",
-                                  CheckpointWarning, stacklevel=2)
+                    warnings.warn(
+                        f"could not move newer checkpoints to {SUPERSEDED}/: {exc}",
+                        CheckpointWarning,
+                        stacklevel=2,
+                    )
             return chosen.step
         raise NoValidCheckpoint(
-            f"no valid checkpoint at or before step {ckpt.step} in {self.directory}", refused)
+            f"no valid checkpoint at or before step {ckpt.step} in {self.directory}", refused
+        )
 
-    def _restore(self, ckpt: Checkpoint, manifest: Manifest, payload: dict[str, Any], model: torch.nn.Module,
-                 optimizer: torch.optim.Optimizer | None) -> None:
+    def _restore(
+        self,
+        ckpt: Checkpoint,
+        manifest: Manifest,
+        payload: dict[str, Any],
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+    ) -> None:
         bare = unwrap(model)
         own = bare.state_dict()
         state = payload["model"]
         if set(own) != set(state):
             extra_keys, missing = sorted(set(state) - set(own)), sorted(set(own) - set(state))
             raise CheckpointMismatch(
-                f"{ckpt.path}: state keys differ from the model (missing {missing[:3]}, unexpected {extra_keys[:3]})")
+                f"{ckpt.path}: state keys differ from the model (missing {missing[:3]}, unexpected {extra_keys[:3]})"
+            )
         for key, value in own.items():
             theirs = state[key]
-            if isinstance(value, torch.Tensor) and (not isinstance(theirs, torch.Tensor) or theirs.shape != value.shape):
-                raise CheckpointMismatch(f"{ckpt.path}: {key} has shape {getattr(theirs, 'shape', None)}, "
-                                         f"the model {tuple(value.shape)}")
+            if isinstance(value, torch.Tensor) and (
+                not isinstance(theirs, torch.Tensor) or theirs.shape != value.shape
+            ):
+                raise CheckpointMismatch(
+                    f"{ckpt.path}: {key} has shape {getattr(theirs, 'shape', None)}, "
+                    f"the model {tuple(value.shape)}"
+                )
         if optimizer is not None:
             groups, saved = optimizer.param_groups, payload["optimizer"].get("param_groups")
-            if not isinstance(saved, list) or len(saved) != len(groups) or any(
+            if (
+                not isinstance(saved, list)
+                or len(saved) != len(groups)
+                or any(
                     not isinstance(s, Mapping) or len(s.get("params", ())) != len(g["params"])
-                    for s, g in zip(saved, groups)):
-                raise CheckpointMismatch(f"{ckpt.path}: optimizer parameter groups do not match the optimizer")
+                    for s, g in zip(saved, groups)
+                )
+            ):
+                raise CheckpointMismatch(
+                    f"{ckpt.path}: optimizer parameter groups do not match the optimizer"
+                )
         bare.load_state_dict(state)
         if optimizer is not None:
             try:
@@ -512,11 +579,13 @@ class CheckpointStore:
         if restored != manifest.weights_digest:
             raise CheckpointMismatch(
                 f"{ckpt.path}: weights after restoring fingerprint to {restored}, the manifest says "
-                f"{manifest.weights_digest} (the model's dtype or device changes the values)")
+                f"{manifest.weights_digest} (the model's dtype or device changes the values)"
+            )
 
 
-def resume_point(directory: str | os.PathLike[str], incident: IncidentLike | None = None,
-                 policy: Policy = "last_pass") -> Checkpoint | None:
+def resume_point(
+    directory: str | os.PathLike[str], incident: IncidentLike | None = None, policy: Policy = "last_pass"
+) -> Checkpoint | None:
     """:meth:`CheckpointStore.resume_point` for a directory."""
     return CheckpointStore(directory).resume_point(incident, policy=policy)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 # Subcommand modules, in help order. A module that is missing is skipped with a note.
 _COMMANDS = (

@@ -17,10 +17,14 @@ def record_line(r: Record) -> str:
 
 
 def record_detail(r: Record) -> list[str]:
-    lines = [f"state:          {r.state.value}", f"reason:         {r.reason}",
-             f"classification: {r.classification}", f"job:            {r.job_id}",
-             f"nodes:          {', '.join(r.targets) or '-'}",
-             f"cordoned:       {', '.join(r.cordoned) or '-'}"]
+    lines = [
+        f"state:          {r.state.value}",
+        f"reason:         {r.reason}",
+        f"classification: {r.classification}",
+        f"job:            {r.job_id}",
+        f"nodes:          {', '.join(r.targets) or '-'}",
+        f"cordoned:       {', '.join(r.cordoned) or '-'}",
+    ]
     lines += [f"not cordoned:   {n} ({why})" for n, why in r.cordon_skipped]
     if r.triage:
         lines.append("triage:")

@@ -8,7 +8,8 @@ import json
 import os
 import sqlite3
 import sys
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from replicheck.incident import json_safe
 
@@ -19,8 +20,12 @@ EXCERPT_BYTES = 200
 
 
 def add_db_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--db", default=None, metavar="PATH",
-                        help=f"controller database (default: $REPLICHECK_DB or ./{DEFAULT_DB})")
+    parser.add_argument(
+        "--db",
+        default=None,
+        metavar="PATH",
+        help=f"controller database (default: $REPLICHECK_DB or ./{DEFAULT_DB})",
+    )
 
 
 def db_path(args: argparse.Namespace) -> str:
@@ -75,8 +80,10 @@ def ingest_files(ctl: Any, paths: Iterable[str]) -> int:
     for path in paths:
         result = ctl.ingest_file(path)
         if result.rejected:
-            print(f"replicheck: rejected {esc(result.source)}: {esc(result.rejected)} (kept in the database)",
-                  file=sys.stderr)
+            print(
+                f"replicheck: rejected {esc(result.source)}: {esc(result.rejected)} (kept in the database)",
+                file=sys.stderr,
+            )
             status = 1
         else:
             print(f"ingested {esc(result.incident_id)}{'' if result.new else ' (duplicate merged)'}")

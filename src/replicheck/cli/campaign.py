@@ -10,8 +10,9 @@ import os
 import shlex
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 
 def register(subparsers: Any) -> None:
@@ -19,26 +20,42 @@ def register(subparsers: Any) -> None:
         "campaign",
         help="inject hardware-like faults into short guarded trainings and write the detection table",
         description="Run fault scenarios as local multi-process jobs (gloo, simulated nodes) and write "
-                    "results.json, results.md and one timeline PNG per scenario; or, with --soak N, run "
-                    "clean training verified on every step until N verification pairs and count false alarms.",
+        "results.json, results.md and one timeline PNG per scenario; or, with --soak N, run "
+        "clean training verified on every step until N verification pairs and count false alarms.",
     )
     p.add_argument("--out", default="campaign-results", help="output directory (default: %(default)s)")
-    p.add_argument("--scenarios", default=None,
-                   help="comma-separated scenario names to run (a trailing * matches a prefix); default: all")
+    p.add_argument(
+        "--scenarios",
+        default=None,
+        help="comma-separated scenario names to run (a trailing * matches a prefix); default: all",
+    )
     p.add_argument("--list", action="store_true", help="list the scenarios and exit")
     p.add_argument("--nodes", type=int, default=2, help="simulated nodes (default: %(default)s)")
     p.add_argument("--gpus-per-node", type=int, default=2, help="ranks per node (default: %(default)s)")
-    p.add_argument("--mode", choices=("exact", "tolerant"), default="exact", help="guard mode (default: %(default)s)")
-    p.add_argument("--verify-every", type=int, default=10, help="replay period in steps (default: %(default)s)")
-    p.add_argument("--weights-every", type=int, default=None, help="weight-check period (default: --verify-every)")
+    p.add_argument(
+        "--mode", choices=("exact", "tolerant"), default="exact", help="guard mode (default: %(default)s)"
+    )
+    p.add_argument(
+        "--verify-every", type=int, default=10, help="replay period in steps (default: %(default)s)"
+    )
+    p.add_argument(
+        "--weights-every", type=int, default=None, help="weight-check period (default: --verify-every)"
+    )
     p.add_argument("--steps", type=int, default=36, help="steps per scenario (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=0, help="seed of weights, data and faults (default: %(default)s)")
+    p.add_argument(
+        "--seed", type=int, default=0, help="seed of weights, data and faults (default: %(default)s)"
+    )
     p.add_argument("--fault-rank", type=int, default=1, help="the faulty rank (default: %(default)s)")
     p.add_argument("--tiny", action="store_true", help="use the tiny soak model (fast smoke runs)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG timelines")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--soak", type=int, default=None, metavar="N",
-                   help="instead: clean training verified every step until N verification pairs")
+    p.add_argument(
+        "--soak",
+        type=int,
+        default=None,
+        metavar="N",
+        help="instead: clean training verified every step until N verification pairs",
+    )
     p.set_defaults(func=run)
 
 
@@ -73,7 +90,9 @@ class _Progress:
 
 
 def _command() -> str:
-    return "replicheck " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["campaign"] else "replicheck campaign"
+    return (
+        "replicheck " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["campaign"] else "replicheck campaign"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -86,16 +105,24 @@ def run(args: argparse.Namespace) -> int:
         return _soak(args, out)
     from replicheck.campaign import plots, report
     from replicheck.campaign.runner import run_campaign
-    from replicheck.faults.errors import FaultConfigError
     from replicheck.campaign.scenarios import JobDefaults, default_scenarios, select
     from replicheck.campaign.soak import soak_model
+    from replicheck.faults.errors import FaultConfigError
 
     try:
         scenarios = select(default_scenarios(), args.scenarios)
         extra: dict[str, Any] = {"model": soak_model(), "batch": 2} if args.tiny else {}
-        defaults = JobDefaults(nodes=args.nodes, gpus_per_node=args.gpus_per_node, mode=args.mode,
-                               verify_every=args.verify_every, weights_every=args.weights_every, steps=args.steps,
-                               seed=args.seed, fault_rank=args.fault_rank, **extra)
+        defaults = JobDefaults(
+            nodes=args.nodes,
+            gpus_per_node=args.gpus_per_node,
+            mode=args.mode,
+            verify_every=args.verify_every,
+            weights_every=args.weights_every,
+            steps=args.steps,
+            seed=args.seed,
+            fault_rank=args.fault_rank,
+            **extra,
+        )
     except FaultConfigError as exc:
         print(f"replicheck campaign: {exc}", file=sys.stderr)
         return 2
@@ -114,11 +141,15 @@ def run(args: argparse.Namespace) -> int:
     rows = [o.to_dict() for o in outcomes]
     m = defaults.model
     meta = {
-        "command": _command(), "seconds": round(time.monotonic() - started, 1), "cpus": os.cpu_count(),
+        "command": _command(),
+        "seconds": round(time.monotonic() - started, 1),
+        "cpus": os.cpu_count(),
         "torch": torch.__version__,
-        "job": (f"Llama-style decoder d_model {m.d_model}, {m.n_layers} blocks, {m.seq_len} tokens, batch "
-                f"{defaults.batch} per rank, {defaults.steps} steps (0–{defaults.steps - 1}), AdamW, verify every "
-                f"{defaults.verify_every} unless the row says otherwise, faulty rank {defaults.fault_rank}"),
+        "job": (
+            f"Llama-style decoder d_model {m.d_model}, {m.n_layers} blocks, {m.seq_len} tokens, batch "
+            f"{defaults.batch} per rank, {defaults.steps} steps (0–{defaults.steps - 1}), AdamW, verify every "
+            f"{defaults.verify_every} unless the row says otherwise, faulty rank {defaults.fault_rank}"
+        ),
     }
     report.write_json(rows, out / "results.json", meta)
     make_plots = not args.no_plots and plots.available()
@@ -128,7 +159,10 @@ def run(args: argparse.Namespace) -> int:
     report.write_markdown(rows, out / "results.md", meta, plots=make_plots)
     print(report.markdown(rows, meta, plots=make_plots).split("## Published")[0])
     if not args.no_plots and not make_plots:
-        print("no plots: matplotlib is not installed; pip install 'replicheck[plot]' to get them", file=sys.stderr)
+        print(
+            "no plots: matplotlib is not installed; pip install 'replicheck[plot]' to get them",
+            file=sys.stderr,
+        )
     print(f"wrote {out / 'results.json'} and {out / 'results.md'}", file=sys.stderr)
     return 0 if all(o.as_expected for o in outcomes) else 1
 
@@ -140,8 +174,14 @@ def _soak(args: argparse.Namespace, out: Path) -> int:
 
     from replicheck.campaign.soak import SoakConfig, run_soak, soak_markdown
 
-    cfg = SoakConfig(pairs=args.soak, nodes=args.nodes, gpus_per_node=args.gpus_per_node, mode=args.mode,
-                     weights_every=args.weights_every or 1, seed=args.seed)
+    cfg = SoakConfig(
+        pairs=args.soak,
+        nodes=args.nodes,
+        gpus_per_node=args.gpus_per_node,
+        mode=args.mode,
+        weights_every=args.weights_every or 1,
+        seed=args.seed,
+    )
     bar = _Progress(cfg.steps, "soak", "step", not args.no_progress)
     update: Callable[[int], None] = bar.update_to
     result = run_soak(cfg, progress=update)

@@ -20,40 +20,77 @@ def register(subparsers: Any) -> None:
     add_db_argument(run)
     run.add_argument("--config", metavar="FILE", help="TOML file with [controller] and [slurm] tables")
     run.add_argument("--backend", choices=BACKENDS, help="cluster backend (default: local)")
-    run.add_argument("--watch", action="append", default=[], metavar="DIR",
-                     help="incident directory to watch (repeatable)")
-    run.add_argument("--incident", action="append", default=[], metavar="FILE",
-                     help="incident file to ingest before starting (repeatable)")
-    run.add_argument("--apply", action="store_true", default=None,
-                     help="perform destructive actions (default: dry-run)")
-    run.add_argument("--auto-approve", action="store_true", default=None,
-                     help="replace without waiting for a person's approval")
+    run.add_argument(
+        "--watch", action="append", default=[], metavar="DIR", help="incident directory to watch (repeatable)"
+    )
+    run.add_argument(
+        "--incident",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="incident file to ingest before starting (repeatable)",
+    )
+    run.add_argument(
+        "--apply", action="store_true", default=None, help="perform destructive actions (default: dry-run)"
+    )
+    run.add_argument(
+        "--auto-approve",
+        action="store_true",
+        default=None,
+        help="replace without waiting for a person's approval",
+    )
     run.add_argument("--once", action="store_true", help="one reconcile pass, then exit")
     run.add_argument("--passes", type=int, default=None, help="stop after this many passes")
     run.add_argument("--interval", type=float, default=None, metavar="S", help="seconds between passes")
     run.add_argument("--slurm-conf", default=None, metavar="PATH", help="slurm.conf (default: $SLURM_CONF)")
-    run.add_argument("--http", default=None, metavar="HOST:PORT",
-                     help="also serve the HTTP API, approval page and /metrics (pip install 'replicheck[http]')")
+    run.add_argument(
+        "--http",
+        default=None,
+        metavar="HOST:PORT",
+        help="also serve the HTTP API, approval page and /metrics (pip install 'replicheck[http]')",
+    )
     _add_http_options(run)
     run.set_defaults(func=_run)
-    serve = sub.add_parser("serve", help="serve the HTTP API, approval page and /metrics over a database, "
-                                         "without acting (a running controller, or the demo, acts)")
+    serve = sub.add_parser(
+        "serve",
+        help="serve the HTTP API, approval page and /metrics over a database, "
+        "without acting (a running controller, or the demo, acts)",
+    )
     add_db_argument(serve)
-    serve.add_argument("--http", default="127.0.0.1:8765", metavar="HOST:PORT",
-                       help="where to listen (default: 127.0.0.1:8765; port 0 picks a free one)")
-    serve.add_argument("--config", metavar="FILE", help="TOML file whose [controller] policy the page explains")
+    serve.add_argument(
+        "--http",
+        default="127.0.0.1:8765",
+        metavar="HOST:PORT",
+        help="where to listen (default: 127.0.0.1:8765; port 0 picks a free one)",
+    )
+    serve.add_argument(
+        "--config", metavar="FILE", help="TOML file whose [controller] policy the page explains"
+    )
     _add_http_options(serve)
     serve.set_defaults(func=_serve)
 
 
 def _add_http_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--job-token-file", default=None, metavar="FILE",
-                        help="file with the token(s) jobs post incidents with (default: $REPLICHECK_JOB_TOKEN_FILE)")
-    parser.add_argument("--operator-token-file", default=None, metavar="FILE",
-                        help="file with the operator token(s) for reading and deciding "
-                             "(default: $REPLICHECK_OPERATOR_TOKEN_FILE); one 'TOKEN' or 'NAME TOKEN' per line")
-    parser.add_argument("--max-body-bytes", type=int, default=None, metavar="N",
-                        help="refuse larger request bodies with 413 (default: 1 MiB)")
+    parser.add_argument(
+        "--job-token-file",
+        default=None,
+        metavar="FILE",
+        help="file with the token(s) jobs post incidents with (default: $REPLICHECK_JOB_TOKEN_FILE)",
+    )
+    parser.add_argument(
+        "--operator-token-file",
+        default=None,
+        metavar="FILE",
+        help="file with the operator token(s) for reading and deciding "
+        "(default: $REPLICHECK_OPERATOR_TOKEN_FILE); one 'TOKEN' or 'NAME TOKEN' per line",
+    )
+    parser.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=None,
+        metavar="N",
+        help="refuse larger request bodies with 413 (default: 1 MiB)",
+    )
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -66,7 +103,10 @@ def _run(args: argparse.Namespace) -> int:
     )
 
     settings = load_settings(
-        args.config, backend=args.backend, apply=args.apply, auto_approve=args.auto_approve,
+        args.config,
+        backend=args.backend,
+        apply=args.apply,
+        auto_approve=args.auto_approve,
         poll_interval_s=args.interval,
         slurm_overrides={"slurm_conf": args.slurm_conf or os.environ.get("SLURM_CONF")},
     )
@@ -77,7 +117,10 @@ def _run(args: argparse.Namespace) -> int:
     backend = make_backend(settings, db)
 
     def show(t: Any) -> None:
-        print(esc(f"{t.at} {t.incident_id}: {t.from_state.value} -> {t.to_state.value} ({t.reason})"), flush=True)
+        print(
+            esc(f"{t.at} {t.incident_id}: {t.from_state.value} -> {t.to_state.value} ({t.reason})"),
+            flush=True,
+        )
 
     with Controller(db, backend=backend, config=config, on_transition=show) as ctl:
         with ctl.store.transaction():
@@ -124,7 +167,9 @@ def _serve(args: argparse.Namespace) -> int:
 
     db = db_path(args)
     if not Path(db).is_file():
-        raise ConfigError(f"no controller database at {db} (run 'make demo' or 'replicheck controller run' first)")
+        raise ConfigError(
+            f"no controller database at {db} (run 'make demo' or 'replicheck controller run' first)"
+        )
     config = load_settings(args.config).controller
     server = _start_http(args, db, config, applies=None, on_change=None)
     stop = threading.Event()
@@ -137,8 +182,9 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _start_http(args: argparse.Namespace, db: str, config: Any, *, applies: bool | None,
-                on_change: Any) -> Any:
+def _start_http(
+    args: argparse.Namespace, db: str, config: Any, *, applies: bool | None, on_change: Any
+) -> Any:
     """Build the app from the token files and start it; prints where it listens."""
     from replicheck.controller.errors import ConfigError
 
@@ -163,11 +209,16 @@ def _start_http(args: argparse.Namespace, db: str, config: Any, *, applies: bool
     if job_file:
         tokens += read_token_file(job_file, Role.JOB)
     options = {} if args.max_body_bytes is None else {"max_body_bytes": args.max_body_bytes}
-    app = create_app(HttpConfig(db_path=db, tokens=tuple(tokens), controller=config, applies=applies, **options),
-                     on_change=on_change)
+    app = create_app(
+        HttpConfig(db_path=db, tokens=tuple(tokens), controller=config, applies=applies, **options),
+        on_change=on_change,
+    )
     server = BackgroundServer(app, host, port).start()
-    print(f"approval page: {server.url}/  (API: {server.url}/api/v1, description: {server.url}/openapi.json, "
-          f"metrics: {server.url}/metrics)", flush=True)
+    print(
+        f"approval page: {server.url}/  (API: {server.url}/api/v1, description: {server.url}/openapi.json, "
+        f"metrics: {server.url}/metrics)",
+        flush=True,
+    )
     if not job_file:
         print("no job token file: incidents cannot be posted over HTTP (--job-token-file)", flush=True)
     return server

@@ -24,11 +24,20 @@ def run(args: argparse.Namespace) -> int:
         return input(prompt).strip().lower() in ("y", "yes")
 
     interactive = sys.stdin.isatty() and not args.yes
-    cfg = DemoConfig(scenario=args.scenario, out_dir=args.out, steps=args.steps,
-                     approve=ask if interactive else None, approver="operator" if interactive else "demo --yes")
+    cfg = DemoConfig(
+        scenario=args.scenario,
+        out_dir=args.out,
+        steps=args.steps,
+        approve=ask if interactive else None,
+        approver="operator" if interactive else "demo --yes",
+    )
     facts = run_demo(cfg)
     if args.json:
-        print(json.dumps({k: v for k, v in facts.items() if k not in ("timeline", "losses")}, indent=2, default=str))
+        print(
+            json.dumps(
+                {k: v for k, v in facts.items() if k not in ("timeline", "losses")}, indent=2, default=str
+            )
+        )
     if facts.get("detected") and facts.get("final_equal") is False:
         return 1
     return 0

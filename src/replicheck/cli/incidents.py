@@ -21,11 +21,18 @@ def register(subparsers: Any) -> None:
     p.add_argument("id")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=_show)
-    for name, verb in (("approve", "approve the replacement of"), ("dismiss", "dismiss (undo the cordon of)")):
+    for name, verb in (
+        ("approve", "approve the replacement of"),
+        ("dismiss", "dismiss (undo the cordon of)"),
+    ):
         p = sub.add_parser(name, help=f"{verb} an incident's suspect nodes")
         p.add_argument("id")
-        p.add_argument("--by", required=True, metavar="NAME",
-                       help="who decides (recorded in the audit log with the OS account running this)")
+        p.add_argument(
+            "--by",
+            required=True,
+            metavar="NAME",
+            help="who decides (recorded in the audit log with the OS account running this)",
+        )
         p.set_defaults(func=_approve if name == "approve" else _dismiss)
     p = sub.add_parser("ingest", help="store incident files (the running controller acts on them)")
     p.add_argument("files", nargs="+", metavar="FILE")
@@ -49,8 +56,12 @@ def _list(args: argparse.Namespace) -> int:
         if args.rejected:
             rows = ctl.store.rejected_rows()
             if args.json:
-                print_json([{"source": s, "reason": r, "at": at, "bytes": len(c), "excerpt": excerpt(c)}
-                            for s, r, c, at in rows])
+                print_json(
+                    [
+                        {"source": s, "reason": r, "at": at, "bytes": len(c), "excerpt": excerpt(c)}
+                        for s, r, c, at in rows
+                    ]
+                )
             for source, reason, _, at in [] if args.json else rows:
                 print(f"{esc(at)} {esc(source)}: {esc(reason)}")
             return 0
@@ -62,7 +73,9 @@ def _list(args: argparse.Namespace) -> int:
             print(record_line(r))
         rejected = len(ctl.store.rejected_rows())
         if rejected:
-            print(f"({rejected} rejected input(s); see: replicheck incidents list --rejected)", file=sys.stderr)
+            print(
+                f"({rejected} rejected input(s); see: replicheck incidents list --rejected)", file=sys.stderr
+            )
     return 0
 
 
@@ -73,21 +86,32 @@ def _show(args: argparse.Namespace) -> int:
     with _controller(args) as ctl:
         view = ctl.show(args.id)
         if args.json:
-            print_json({"incident": view.incident.incident.to_dict(),
-                        "record": dataclasses.asdict(view.record) | {"state": view.record.state.value},
-                        "deliveries": view.incident.deliveries,
-                        "actions": [dataclasses.asdict(a) | {"kind": a.kind.value} for a in view.actions],
-                        "audit": [dataclasses.asdict(a) for a in view.audit]})
+            print_json(
+                {
+                    "incident": view.incident.incident.to_dict(),
+                    "record": dataclasses.asdict(view.record) | {"state": view.record.state.value},
+                    "deliveries": view.incident.deliveries,
+                    "actions": [dataclasses.asdict(a) | {"kind": a.kind.value} for a in view.actions],
+                    "audit": [dataclasses.asdict(a) for a in view.audit],
+                }
+            )
             return 0
         inc = view.incident.incident
-        print(esc(f"incident {inc.id}  (step {inc.step}, check {inc.check}, {inc.time}, "
-                  f"{view.incident.deliveries} deliveries)"))
+        print(
+            esc(
+                f"incident {inc.id}  (step {inc.step}, check {inc.check}, {inc.time}, "
+                f"{view.incident.deliveries} deliveries)"
+            )
+        )
         for line in record_detail(view.record):
             print("  " + line)
         print("  actions:")
         for a in view.actions:
             note = f" - {a.last_error}" if a.last_error and a.status != "done" else ""
-            print("    " + esc(f"{a.kind.value:<12} {a.node or '-':<12} {a.status:<10} attempts={a.attempts}{note}"))
+            print(
+                "    "
+                + esc(f"{a.kind.value:<12} {a.node or '-':<12} {a.status:<10} attempts={a.attempts}{note}")
+            )
         print("  audit:")
         for e in view.audit:
             print("    " + esc(f"{e.at} {e.actor}: {e.what} -> {e.outcome}"))

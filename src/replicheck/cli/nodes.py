@@ -15,9 +15,15 @@ def register(subparsers: Any) -> None:
 
     parser = subparsers.add_parser("nodes", help="list the nodes of the controller's cluster backend")
     add_db_argument(parser)
-    parser.add_argument("--backend", choices=BACKENDS, default=None,
-                        help="backend (default: the one `controller run` last used with this database)")
-    parser.add_argument("--slurm-conf", default=None, metavar="PATH", help="slurm.conf (default: $SLURM_CONF)")
+    parser.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        default=None,
+        help="backend (default: the one `controller run` last used with this database)",
+    )
+    parser.add_argument(
+        "--slurm-conf", default=None, metavar="PATH", help="slurm.conf (default: $SLURM_CONF)"
+    )
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     parser.set_defaults(func=_nodes)
 

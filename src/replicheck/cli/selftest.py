@@ -33,8 +33,18 @@ def _selftest(args: argparse.Namespace) -> int:
     passed = None if args.expect is None else result.fingerprint == args.expect.strip().lower()
     node = args.node or socket.gethostname()
     if args.json:
-        print(json.dumps({"node": node, "fingerprint": result.fingerprint, "loss": result.loss,
-                          "device": result.device, "seconds": round(result.seconds, 3), "passed": passed}))
+        print(
+            json.dumps(
+                {
+                    "node": node,
+                    "fingerprint": result.fingerprint,
+                    "loss": result.loss,
+                    "device": result.device,
+                    "seconds": round(result.seconds, 3),
+                    "passed": passed,
+                }
+            )
+        )
     else:
         verdict = "" if passed is None else ("  matches" if passed else f"  DIFFERS from {args.expect}")
         print(f"{node} {result.device} fingerprint {result.fingerprint}{verdict}")

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from replicheck.controller.errors import ConfigError
 
@@ -57,8 +58,14 @@ class ControllerConfig:
                 raise ConfigError(f"{name} must be an integer >= 0, got {value!r}")
         if self.retry_max_attempts < 1:
             raise ConfigError("retry_max_attempts must be >= 1")
-        for name in ("replacement_window_s", "retry_base_delay_s", "retry_max_delay_s",
-                     "return_poll_s", "return_timeout_s", "poll_interval_s"):
+        for name in (
+            "replacement_window_s",
+            "retry_base_delay_s",
+            "retry_max_delay_s",
+            "return_poll_s",
+            "return_timeout_s",
+            "poll_interval_s",
+        ):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
                 raise ConfigError(f"{name} must be a non-negative number, got {value!r}")

@@ -9,9 +9,9 @@ import os
 import pwd
 import re
 import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
 
 from replicheck.controller import ingest as _ingest
 from replicheck.controller.backends.base import Backend, NodeInfo
@@ -88,7 +88,7 @@ class Controller:
         self.store = Store(self.db_path)
         self._backend = backend
         self._on_transition = on_transition
-        self._clock = clock or (lambda: _dt.datetime.now(_dt.timezone.utc))
+        self._clock = clock or (lambda: _dt.datetime.now(_dt.UTC))
         self.lease = Lease(self.db_path)
 
     @property
@@ -135,12 +135,21 @@ class Controller:
                 if record.resume is None and resuming not in record.outstanding:
                     checkpoint = dict(incident.recommended_checkpoint or {})
                     self.store.save_record(record.evolve(checkpoint=checkpoint), now)
-                    self.store.audit(now, self.config.actor, "checkpoint added",
-                                     f"a later copy from {source} names checkpoint step {checkpoint.get('step')}",
-                                     incident.id)
+                    self.store.audit(
+                        now,
+                        self.config.actor,
+                        "checkpoint added",
+                        f"a later copy from {source} names checkpoint step {checkpoint.get('step')}",
+                        incident.id,
+                    )
             elif merge == "differs":
-                self.store.audit(now, self.config.actor, "duplicate merged",
-                                 f"copy from {source} differs from the first; first copy kept", incident.id)
+                self.store.audit(
+                    now,
+                    self.config.actor,
+                    "duplicate merged",
+                    f"copy from {source} differs from the first; first copy kept",
+                    incident.id,
+                )
         return IngestResult(source, incident.id, new=new)
 
     def ingest_file(self, path: str | Path) -> IngestResult:
@@ -243,8 +252,13 @@ class Controller:
             with self.store.transaction():
                 self.store.defer_action(row.key, outcome.note, outcome.next_at, uncount=outcome.uncount)
                 if outcome.note != row.last_error:
-                    self.store.audit(now, self.config.actor, f"{row.kind.value} {row.node or ''}".strip(),
-                                     outcome.note, row.incident_id)
+                    self.store.audit(
+                        now,
+                        self.config.actor,
+                        f"{row.kind.value} {row.node or ''}".strip(),
+                        outcome.note,
+                        row.incident_id,
+                    )
             return False
         with self.store.transaction():
             if isinstance(outcome, ActionDone):
@@ -253,8 +267,9 @@ class Controller:
             else:
                 self.store.fail_action(row.key, outcome.reason, now)
                 detail = f"failed: {outcome.reason}"
-            self.store.audit(now, self.config.actor, f"{row.kind.value} {row.node or ''}".strip(), detail,
-                             row.incident_id)
+            self.store.audit(
+                now, self.config.actor, f"{row.kind.value} {row.node or ''}".strip(), detail, row.incident_id
+            )
             if self.store.get_record(row.incident_id).state not in TERMINAL:
                 self._apply(row.incident_id, outcome, self.config.actor, made)
         return True
@@ -272,7 +287,9 @@ class Controller:
             t = Transition(incident_id, record.state, step.record.state, step.record.reason, now)
             changed = t.from_state is not t.to_state
             if changed:
-                self.store.audit(now, actor, f"{t.from_state.value} -> {t.to_state.value}", t.reason, incident_id)
+                self.store.audit(
+                    now, actor, f"{t.from_state.value} -> {t.to_state.value}", t.reason, incident_id
+                )
             elif step.record.reason != record.reason:
                 self.store.audit(now, actor, record.state.value, step.record.reason, incident_id)
         if changed:
@@ -292,8 +309,15 @@ class Controller:
         """Record that a person judged the incident a false alarm; the cordon is undone."""
         return self._operator(incident_id, Dismissed(by=self._who(by), at=self._now(), os_user=os_account()))
 
-    def decide(self, incident_id: str, decision: str, by: str, *, expect_state: State | None = None,
-               via: str | None = None) -> Record:
+    def decide(
+        self,
+        incident_id: str,
+        decision: str,
+        by: str,
+        *,
+        expect_state: State | None = None,
+        via: str | None = None,
+    ) -> Record:
         """Approve or dismiss at most once: the check and the decision are one write transaction,
         so of two decisions racing on one incident exactly one is recorded.
 
@@ -312,16 +336,21 @@ class Controller:
             if expect_state is not None and record.state is not expect_state:
                 raise DecisionConflictError(
                     f"incident {incident_id} is {record.state.value}, not {expect_state.value}: "
-                    f"{_decided(record) or record.reason}; reload and decide again")
+                    f"{_decided(record) or record.reason}; reload and decide again"
+                )
             if expect_state is None and _decided(record):
                 raise DecisionConflictError(
                     f"incident {incident_id} was already {_decided(record)}; to overrule, send "
-                    f"expect_state={record.state.value}")
+                    f"expect_state={record.state.value}"
+                )
             now = self._now()
             if via:
                 self.store.audit(now, who, f"{decision} requested", via, incident_id)
-            event: Approved | Dismissed = (Approved(by=who, at=now, os_user=os_user) if decision == "approve"
-                                           else Dismissed(by=who, at=now, os_user=os_user))
+            event: Approved | Dismissed = (
+                Approved(by=who, at=now, os_user=os_user)
+                if decision == "approve"
+                else Dismissed(by=who, at=now, os_user=os_user)
+            )
             return self._operator(incident_id, event)
 
     def _operator(self, incident_id: str, event: Approved | Dismissed) -> Record:
@@ -344,8 +373,12 @@ class Controller:
         return self.store.list_records(states)
 
     def show(self, incident_id: str) -> IncidentView:
-        return IncidentView(self.store.get_incident(incident_id), self.store.get_record(incident_id),
-                            self.store.actions(incident_id), self.store.audit_rows(incident_id))
+        return IncidentView(
+            self.store.get_incident(incident_id),
+            self.store.get_record(incident_id),
+            self.store.actions(incident_id),
+            self.store.audit_rows(incident_id),
+        )
 
     def nodes(self) -> list[NodeInfo]:
         return self.backend.list_nodes()
@@ -375,5 +408,3 @@ def _decided(record: Record) -> str:
     if record.approved_by:
         return f"approved by {record.approved_by} at {record.approved_at}"
     return ""
-
-

@@ -9,8 +9,9 @@ running out of attempts) become ``ActionFailed``.
 from __future__ import annotations
 
 import datetime as _dt
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from replicheck.controller.backends.base import Backend, ResumeRequest
 from replicheck.controller.config import ControllerConfig
@@ -57,8 +58,9 @@ ExecResult = ActionDone | ActionFailed | Deferred | Skipped
 class Executor:
     """Performs actions; owns no state beyond its collaborators."""
 
-    def __init__(self, store: Store, backend: Backend, config: ControllerConfig,
-                 clock: Callable[[], _dt.datetime]) -> None:
+    def __init__(
+        self, store: Store, backend: Backend, config: ControllerConfig, clock: Callable[[], _dt.datetime]
+    ) -> None:
         self._store = store
         self._backend = backend
         self._config = config
@@ -67,7 +69,9 @@ class Executor:
     def perform(self, row: ActionRow) -> ExecResult:
         now = self._clock()
         if row.kind in DESTRUCTIVE and not self._config.apply:
-            return Deferred(DRY_RUN_NOTE, utc_iso_us(now + _seconds(self._config.poll_interval_s)), uncount=False)
+            return Deferred(
+                DRY_RUN_NOTE, utc_iso_us(now + _seconds(self._config.poll_interval_s)), uncount=False
+            )
         with self._store.transaction():
             # Re-checked in the transaction that starts it: an action cancelled earlier in this
             # pass (its incident failed or was dismissed) must not run.
@@ -80,15 +84,20 @@ class Executor:
         except NotYet as exc:
             deadline = row.params.get("deadline")
             if deadline and utc_iso_us(self._clock()) >= str(deadline):
-                return ActionDone(row.key, row.kind, row.node,
-                                  {"back": False, "replacement": None, "detail": f"not back by {deadline}"})
-            return Deferred(f"waiting: {exc}", utc_iso_us(now + _seconds(self._config.return_poll_s)), uncount=True)
+                return ActionDone(
+                    row.key,
+                    row.kind,
+                    row.node,
+                    {"back": False, "replacement": None, "detail": f"not back by {deadline}"},
+                )
+            return Deferred(
+                f"waiting: {exc}", utc_iso_us(now + _seconds(self._config.return_poll_s)), uncount=True
+            )
         except PermanentBackendError as exc:
             return ActionFailed(row.key, row.kind, row.node, str(exc))
         except (TransientBackendError, OSError) as exc:
             if attempts >= self._config.retry_max_attempts:
-                return ActionFailed(row.key, row.kind, row.node,
-                                    f"gave up after {attempts} attempts: {exc}")
+                return ActionFailed(row.key, row.kind, row.node, f"gave up after {attempts} attempts: {exc}")
             delay = retry_delay(attempts, self._config.retry_base_delay_s, self._config.retry_max_delay_s)
             note = f"attempt {attempts} failed ({exc}); retrying in {delay:g}s"
             return Deferred(note, utc_iso_us(now + _seconds(delay)), uncount=False)
@@ -99,8 +108,13 @@ class Executor:
         if row.kind is ActionKind.RESUME:
             checkpoint = row.params.get("checkpoint")
             in_doubt = row.started_at if row.status == "in_flight" else None
-            request = ResumeRequest(row.incident_id, str(row.params["job_id"]), checkpoint,
-                                    tuple(row.params.get("exclude", ())), previous_attempt_at=in_doubt)
+            request = ResumeRequest(
+                row.incident_id,
+                str(row.params["job_id"]),
+                checkpoint,
+                tuple(row.params.get("exclude", ())),
+                previous_attempt_at=in_doubt,
+            )
             return b.resume(request, key)
         if node is None:
             raise PermanentBackendError(f"action {key} names no node")
@@ -123,4 +137,3 @@ class Executor:
 
 def _seconds(s: float) -> _dt.timedelta:
     return _dt.timedelta(seconds=s)
-

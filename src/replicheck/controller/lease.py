@@ -42,7 +42,8 @@ class Lease:
             os.close(fd)
             raise LeaseHeldError(
                 f"another controller holds the lease on this database ({holder or 'unknown holder'}); "
-                "this one does not act") from None
+                "this one does not act"
+            ) from None
         except OSError as exc:
             os.close(fd)
             raise StoreError(f"{self.path}: cannot lock the controller lease file: {exc}") from exc

@@ -102,7 +102,9 @@ def _on_failure(record: Record, event: ActionFailed) -> Step:
     others = tuple(k for k in record.outstanding if k != event.key)
     what = f"{event.kind.value} {event.node or record.job_id}"
     failed = record.evolve(
-        state=State.FAILED, outstanding=(), reason=f"{what} failed: {event.reason}",
+        state=State.FAILED,
+        outstanding=(),
+        reason=f"{what} failed: {event.reason}",
         cordoned=_with_pending_cordons(record, others),
     )
     return Step(failed, cancel=others)
@@ -119,10 +121,14 @@ def _on_approved(record: Record, event: Approved) -> Step:
         raise InvalidTransitionError(
             f"incident {record.incident_id} is {record.state.value}; only awaiting_approval can be approved"
         )
-    return Step(record.evolve(
-        state=State.APPROVED, approved_by=event.by, approved_at=event.at,
-        reason=f"approved by {event.by}{_account(event.os_user)}",
-    ))
+    return Step(
+        record.evolve(
+            state=State.APPROVED,
+            approved_by=event.by,
+            approved_at=event.at,
+            reason=f"approved by {event.by}{_account(event.os_user)}",
+        )
+    )
 
 
 def _on_dismissed(record: Record, event: Dismissed) -> Step:
@@ -132,7 +138,10 @@ def _on_dismissed(record: Record, event: Dismissed) -> Step:
         )
     return Step(
         record.evolve(
-            state=State.DISMISSED, dismissed_by=event.by, dismissed_at=event.at, outstanding=(),
+            state=State.DISMISSED,
+            dismissed_by=event.by,
+            dismissed_at=event.at,
+            outstanding=(),
             cordoned=_with_pending_cordons(record, record.outstanding),
             reason=f"dismissed by {event.by}{_account(event.os_user)}",
         ),
@@ -149,31 +158,52 @@ def _on_tick(record: Record, tick: Tick) -> Step:
         return Step(record)
     state = record.state
     if state is State.DETECTED:
-        todo = [t for t in record.targets if t not in record.cordoned and t not in dict(record.cordon_skipped)]
+        todo = [
+            t for t in record.targets if t not in record.cordoned and t not in dict(record.cordon_skipped)
+        ]
         if todo:
             if len(record.targets) > tick.max_cordons_per_incident:
-                return _move(record, State.FAILED,
-                             f"blast radius: the incident names {len(record.targets)} nodes, more than "
-                             f"max_cordons_per_incident={tick.max_cordons_per_incident}; nothing cordoned")
+                return _move(
+                    record,
+                    State.FAILED,
+                    f"blast radius: the incident names {len(record.targets)} nodes, more than "
+                    f"max_cordons_per_incident={tick.max_cordons_per_incident}; nothing cordoned",
+                )
             if tick.cordons_in_window + len(todo) > tick.max_cordons:
-                reason = (f"blast radius: {tick.cordons_in_window} cordon(s) in the window, {len(todo)} more "
-                          f"would exceed the limit of {tick.max_cordons}; waiting")
+                reason = (
+                    f"blast radius: {tick.cordons_in_window} cordon(s) in the window, {len(todo)} more "
+                    f"would exceed the limit of {tick.max_cordons}; waiting"
+                )
                 return Step(record if record.reason == reason else record.evolve(reason=reason))
-            return _wait(record, tuple(_action(record, ActionKind.CORDON, n) for n in todo),
-                         f"cordoning {', '.join(todo)}")
+            return _wait(
+                record,
+                tuple(_action(record, ActionKind.CORDON, n) for n in todo),
+                f"cordoning {', '.join(todo)}",
+            )
         return _move(record, State.CORDONED, _cordon_summary(record))
     if state is State.CORDONED:
-        if tick.triage and record.targets and (record.classification in NEEDS_TRIAGE or tick.triage_persistent):
+        if (
+            tick.triage
+            and record.targets
+            and (record.classification in NEEDS_TRIAGE or tick.triage_persistent)
+        ):
             actions = tuple(_action(record, ActionKind.SELFTEST, n) for n in record.targets)
-            return _move(record, State.TRIAGING, f"{record.classification}: self-test on "
-                         f"{', '.join(record.targets)}", actions)
+            return _move(
+                record,
+                State.TRIAGING,
+                f"{record.classification}: self-test on {', '.join(record.targets)}",
+                actions,
+            )
         return _move(record, State.AWAITING_APPROVAL, "waiting for a person to approve replacement")
     if state is State.TRIAGING:
         return _after_triage(record)
     if state is State.AWAITING_APPROVAL:
         if tick.auto_approve:
-            return _move(record.evolve(approved_by="auto-approve", approved_at=tick.now),
-                         State.APPROVED, "approved automatically (auto_approve is on)")
+            return _move(
+                record.evolve(approved_by="auto-approve", approved_at=tick.now),
+                State.APPROVED,
+                "approved automatically (auto_approve is on)",
+            )
         return Step(record)
     if state is State.APPROVED:
         return _start_replacement(record, tick)
@@ -181,15 +211,22 @@ def _on_tick(record: Record, tick: Tick) -> Step:
         back = {n for n, _, _ in record.returned}
         waiting = [n for n in record.replaced if n not in back]
         if waiting:
-            actions = tuple(_action(record, ActionKind.AWAIT_RETURN, n, deadline=tick.return_deadline)
-                            for n in waiting)
+            actions = tuple(
+                _action(record, ActionKind.AWAIT_RETURN, n, deadline=tick.return_deadline) for n in waiting
+            )
             return _wait(record, actions, f"waiting for {', '.join(waiting)} to come back")
         return _move(record, State.REPLACED, _return_summary(record))
     if state is State.REPLACED:
         if record.resume is None:
             exclude = [n for n, is_back, _ in record.returned if not is_back]
-            action = _action(record, ActionKind.RESUME, None, job_id=record.job_id,
-                             checkpoint=record.checkpoint, exclude=exclude)
+            action = _action(
+                record,
+                ActionKind.RESUME,
+                None,
+                job_id=record.job_id,
+                checkpoint=record.checkpoint,
+                exclude=exclude,
+            )
             return _wait(record, (action,), f"resuming job {record.job_id}")
         return _move(record, State.RESUMED, f"job {record.job_id} resumed: {_resume_summary(record)}")
     if state is State.DISMISSED:
@@ -219,14 +256,18 @@ def _cordon_summary(record: Record) -> str:
 
 def _after_triage(record: Record) -> Step:
     failing = tuple(t.node for t in record.triage if not t.passed)
-    summary = "; ".join(f"{t.node} {'passed' if t.passed else 'FAILED'} self-test ({t.detail})"
-                        for t in record.triage)
+    summary = "; ".join(
+        f"{t.node} {'passed' if t.passed else 'FAILED'} self-test ({t.detail})" for t in record.triage
+    )
     if record.classification == "ambiguous" and failing:
         # The self-test told the candidates apart: act on the failing ones, free the rest.
         cleared = tuple(n for n in record.cordoned if n not in failing)
         actions = tuple(_action(record, ActionKind.UNCORDON, n) for n in cleared)
-        r = record.evolve(targets=tuple(n for n in record.targets if n in failing),
-                          state=State.AWAITING_APPROVAL, reason=f"triage: {summary}")
+        r = record.evolve(
+            targets=tuple(n for n in record.targets if n in failing),
+            state=State.AWAITING_APPROVAL,
+            reason=f"triage: {summary}",
+        )
         return Step(r, actions)
     hint = "" if failing else "; no node failed the self-test (consider dismissing)"
     return _move(record, State.AWAITING_APPROVAL, f"triage: {summary}{hint}")
@@ -237,8 +278,10 @@ def _start_replacement(record: Record, tick: Tick) -> Step:
         return _move(record, State.REPLACED, "nothing to replace (no node named)")
     needed = len(record.targets)
     if tick.replacements_in_window + needed > tick.max_replacements:
-        reason = (f"blast radius: {tick.replacements_in_window} replacement(s) in the window, "
-                  f"{needed} more would exceed the limit of {tick.max_replacements}; waiting")
+        reason = (
+            f"blast radius: {tick.replacements_in_window} replacement(s) in the window, "
+            f"{needed} more would exceed the limit of {tick.max_replacements}; waiting"
+        )
         return Step(record if record.reason == reason else record.evolve(reason=reason))
     actions = tuple(_action(record, ActionKind.REPLACE, n) for n in record.targets)
     return _move(record, State.REPLACING, f"replacing {', '.join(record.targets)}", actions)

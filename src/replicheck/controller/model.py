@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import enum
 import json
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Mapping
+from typing import Any
 
 from replicheck.incident import Classification
 
@@ -29,10 +30,16 @@ class State(str, enum.Enum):
 TERMINAL = frozenset({State.RESUMED, State.UNCORDONED})
 """States in which nothing more happens. ``failed`` waits for a human (dismiss)."""
 
-DISMISSABLE = frozenset({
-    State.DETECTED, State.CORDONED, State.TRIAGING, State.AWAITING_APPROVAL,
-    State.APPROVED, State.FAILED,
-})
+DISMISSABLE = frozenset(
+    {
+        State.DETECTED,
+        State.CORDONED,
+        State.TRIAGING,
+        State.AWAITING_APPROVAL,
+        State.APPROVED,
+        State.FAILED,
+    }
+)
 """States from which an operator may dismiss: anything before a replacement is under way."""
 
 
@@ -133,6 +140,7 @@ class Record:
 
 
 # --- events -------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class ActionDone:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 
 def cordon_refusal(node: str, schedulable_by_partition: Mapping[str, Sequence[str]]) -> str | None:

@@ -8,9 +8,10 @@ import contextlib
 import hashlib
 import json
 import sqlite3
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Literal, Mapping, Sequence, cast
+from typing import Any, Literal, cast
 
 from replicheck.controller.errors import StoreError, UnknownIncidentError
 from replicheck.controller.model import Action, ActionKind, Record, State
@@ -200,8 +201,10 @@ class Store:
         return None if row is None else str(row[0])
 
     def set_meta(self, key: str, value: str) -> None:
-        self._db.execute("INSERT INTO meta(key, value) VALUES(?, ?) ON CONFLICT(key) DO UPDATE "
-                         "SET value=excluded.value", (key, value))
+        self._db.execute(
+            "INSERT INTO meta(key, value) VALUES(?, ?) ON CONFLICT(key) DO UPDATE SET value=excluded.value",
+            (key, value),
+        )
 
     # --- incidents and records --------------------------------------------------------------
 
@@ -218,22 +221,29 @@ class Store:
             if row is None:
                 self._db.execute(
                     "INSERT INTO incidents(id, job_id, body, source, first_seen, last_seen, deliveries)"
-                    " VALUES(?, ?, ?, ?, ?, ?, 1)", (incident.id, incident.job_id, body, source, now, now))
+                    " VALUES(?, ?, ?, ?, ?, ?, 1)",
+                    (incident.id, incident.job_id, body, source, now, now),
+                )
                 return True, "same"
-            self._db.execute("UPDATE incidents SET deliveries=deliveries+1, last_seen=? WHERE id=?",
-                             (now, incident.id))
+            self._db.execute(
+                "UPDATE incidents SET deliveries=deliveries+1, last_seen=? WHERE id=?", (now, incident.id)
+            )
             old, new = _comparable(row[0]), _comparable(body)
             if old == new:
                 return False, "same"
-            if old.get("recommended_checkpoint") is None and new.get("recommended_checkpoint") is not None \
-                    and {**old, "recommended_checkpoint": None} == {**new, "recommended_checkpoint": None}:
+            if (
+                old.get("recommended_checkpoint") is None
+                and new.get("recommended_checkpoint") is not None
+                and {**old, "recommended_checkpoint": None} == {**new, "recommended_checkpoint": None}
+            ):
                 self._db.execute("UPDATE incidents SET body=? WHERE id=?", (body, incident.id))
                 return False, "filled"
             return False, "differs"
 
     def get_incident(self, incident_id: str) -> IncidentRow:
-        row = self._db.execute("SELECT body, source, first_seen, deliveries FROM incidents WHERE id=?",
-                               (incident_id,)).fetchone()
+        row = self._db.execute(
+            "SELECT body, source, first_seen, deliveries FROM incidents WHERE id=?", (incident_id,)
+        ).fetchone()
         if row is None:
             raise UnknownIncidentError(f"no incident {incident_id!r} in {self.path}")
         try:
@@ -246,7 +256,9 @@ class Store:
         self._db.execute(
             "INSERT INTO records(incident_id, state, data, updated_at) VALUES(?, ?, ?, ?) "
             "ON CONFLICT(incident_id) DO UPDATE SET state=excluded.state, data=excluded.data, "
-            "updated_at=excluded.updated_at", (record.incident_id, record.state.value, record.to_json(), now))
+            "updated_at=excluded.updated_at",
+            (record.incident_id, record.state.value, record.to_json(), now),
+        )
 
     def get_record(self, incident_id: str) -> Record:
         row = self._db.execute("SELECT data FROM records WHERE incident_id=?", (incident_id,)).fetchone()
@@ -257,7 +269,8 @@ class Store:
     def list_records(self, states: Sequence[State] | None = None) -> list[Record]:
         rows = self._db.execute(
             "SELECT r.data, r.state FROM records r JOIN incidents i ON i.id=r.incident_id "
-            "ORDER BY i.first_seen, r.incident_id").fetchall()
+            "ORDER BY i.first_seen, r.incident_id"
+        ).fetchall()
         wanted = None if states is None else {s.value for s in states}
         return [Record.from_json(d) for d, s in rows if wanted is None or s in wanted]
 
@@ -268,18 +281,31 @@ class Store:
             self._db.execute(
                 "INSERT OR IGNORE INTO actions(key, incident_id, kind, node, params, status, "
                 "next_attempt_at, created_at) VALUES(?, ?, ?, ?, ?, 'pending', ?, ?)",
-                (a.key, a.incident_id, a.kind.value, a.node, json.dumps(dict(a.params), sort_keys=True),
-                 now, now))
+                (
+                    a.key,
+                    a.incident_id,
+                    a.kind.value,
+                    a.node,
+                    json.dumps(dict(a.params), sort_keys=True),
+                    now,
+                    now,
+                ),
+            )
 
     def cancel_actions(self, keys: Sequence[str], now: str) -> None:
         for key in keys:
-            self._db.execute("UPDATE actions SET status='cancelled', finished_at=? WHERE key=? "
-                             "AND status IN ('pending', 'in_flight')", (now, key))
+            self._db.execute(
+                "UPDATE actions SET status='cancelled', finished_at=? WHERE key=? "
+                "AND status IN ('pending', 'in_flight')",
+                (now, key),
+            )
 
     def due_actions(self, now: str) -> list[ActionRow]:
         rows = self._db.execute(
             f"SELECT {_ACTION_COLS} FROM actions WHERE status IN ('pending', 'in_flight') "
-            "AND next_attempt_at <= ? ORDER BY created_at, key", (now,)).fetchall()
+            "AND next_attempt_at <= ? ORDER BY created_at, key",
+            (now,),
+        ).fetchall()
         return [_action_row(r) for r in rows]
 
     def actions(self, incident_id: str | None = None) -> list[ActionRow]:
@@ -298,30 +324,40 @@ class Store:
 
         False when the action is no longer pending or in flight (cancelled or finished since it
         was listed): the caller must not perform it."""
-        cur = self._db.execute("UPDATE actions SET status='in_flight', attempts=attempts+1, started_at=? "
-                               "WHERE key=? AND status IN ('pending', 'in_flight')", (now, key))
+        cur = self._db.execute(
+            "UPDATE actions SET status='in_flight', attempts=attempts+1, started_at=? "
+            "WHERE key=? AND status IN ('pending', 'in_flight')",
+            (now, key),
+        )
         return cur.rowcount == 1
 
     def finish_action(self, key: str, result: Mapping[str, Any], now: str) -> None:
-        self._db.execute("UPDATE actions SET status='done', result=?, last_error=NULL, finished_at=? "
-                         "WHERE key=?", (json.dumps(dict(result), sort_keys=True), now, key))
+        self._db.execute(
+            "UPDATE actions SET status='done', result=?, last_error=NULL, finished_at=? WHERE key=?",
+            (json.dumps(dict(result), sort_keys=True), now, key),
+        )
 
     def fail_action(self, key: str, error: str, now: str) -> None:
-        self._db.execute("UPDATE actions SET status='failed', last_error=?, finished_at=? WHERE key=?",
-                         (error, now, key))
+        self._db.execute(
+            "UPDATE actions SET status='failed', last_error=?, finished_at=? WHERE key=?", (error, now, key)
+        )
 
     def defer_action(self, key: str, note: str, next_at: str, *, uncount: bool = False) -> None:
         """Put the action back to pending until ``next_at``; ``uncount`` undoes the attempt count
         (polling and dry-run are not failures)."""
         self._db.execute(
             "UPDATE actions SET status='pending', last_error=?, next_attempt_at=?, "
-            "attempts=attempts-? WHERE key=?", (note, next_at, 1 if uncount else 0, key))
+            "attempts=attempts-? WHERE key=?",
+            (note, next_at, 1 if uncount else 0, key),
+        )
 
     def replacements_since(self, since: str) -> int:
         """Replacements done since ``since`` plus those committed to but not finished."""
         row = self._db.execute(
             "SELECT COUNT(*) FROM actions WHERE kind='replace' AND (status IN ('pending', 'in_flight') "
-            "OR (status='done' AND finished_at >= ?))", (since,)).fetchone()
+            "OR (status='done' AND finished_at >= ?))",
+            (since,),
+        ).fetchone()
         return int(row[0])
 
     def cordons_since(self, since: str) -> int:
@@ -329,14 +365,18 @@ class Store:
         row = self._db.execute(
             "SELECT COUNT(*) FROM actions WHERE kind='cordon' AND (status IN ('pending', 'in_flight') "
             "OR (status='done' AND finished_at >= ? AND result NOT LIKE '%\"skipped\"%'))",
-            (since,)).fetchone()
+            (since,),
+        ).fetchone()
         return int(row[0])
 
     def nodes_held(self, exclude_incident: str) -> set[str]:
         """Nodes still cordoned by other incidents that are not finished."""
         held: set[str] = set()
         for record in self.list_records():
-            if record.incident_id != exclude_incident and record.state not in (State.RESUMED, State.UNCORDONED):
+            if record.incident_id != exclude_incident and record.state not in (
+                State.RESUMED,
+                State.UNCORDONED,
+            ):
                 held.update(record.cordoned)
         return held
 
@@ -361,8 +401,10 @@ class Store:
     def reject(self, source: str, reason: str, content: bytes, now: str) -> bool:
         """Keep a rejected input for inspection; False if this exact content was already kept."""
         digest = hashlib.sha256(content).hexdigest()
-        cur = self._db.execute("INSERT OR IGNORE INTO rejected(source, digest, reason, content, at) "
-                               "VALUES(?, ?, ?, ?, ?)", (source, digest, reason, content, now))
+        cur = self._db.execute(
+            "INSERT OR IGNORE INTO rejected(source, digest, reason, content, at) VALUES(?, ?, ?, ?, ?)",
+            (source, digest, reason, content, now),
+        )
         return cur.rowcount == 1
 
     def clear_unreadable(self, source: str) -> None:
@@ -371,27 +413,41 @@ class Store:
 
     def rejected_rows(self) -> list[tuple[str, str, bytes, str]]:
         """(source, reason, content, at) of every rejected input."""
-        return [(r[0], r[1], bytes(r[2]), r[3]) for r in
-                self._db.execute("SELECT source, reason, content, at FROM rejected ORDER BY id")]
+        return [
+            (r[0], r[1], bytes(r[2]), r[3])
+            for r in self._db.execute("SELECT source, reason, content, at FROM rejected ORDER BY id")
+        ]
 
     def file_seen(self, path: str, mtime_ns: int, size: int) -> bool:
         row = self._db.execute("SELECT mtime_ns, size FROM seen_files WHERE path=?", (path,)).fetchone()
         return row is not None and (int(row[0]), int(row[1])) == (mtime_ns, size)
 
     def mark_file_seen(self, path: str, mtime_ns: int, size: int) -> None:
-        self._db.execute("INSERT INTO seen_files(path, mtime_ns, size) VALUES(?, ?, ?) ON CONFLICT(path) "
-                         "DO UPDATE SET mtime_ns=excluded.mtime_ns, size=excluded.size", (path, mtime_ns, size))
+        self._db.execute(
+            "INSERT INTO seen_files(path, mtime_ns, size) VALUES(?, ?, ?) ON CONFLICT(path) "
+            "DO UPDATE SET mtime_ns=excluded.mtime_ns, size=excluded.size",
+            (path, mtime_ns, size),
+        )
 
 
-_ACTION_COLS = ("key, incident_id, kind, node, params, status, attempts, next_attempt_at, last_error, result, "
-                "started_at")
+_ACTION_COLS = (
+    "key, incident_id, kind, node, params, status, attempts, next_attempt_at, last_error, result, started_at"
+)
 
 
 def _action_row(r: Sequence[Any]) -> ActionRow:
     return ActionRow(
-        key=r[0], incident_id=r[1], kind=ActionKind(r[2]), node=r[3], params=json.loads(r[4]),
-        status=cast(ActionStatus, r[5]), attempts=int(r[6]), next_attempt_at=r[7], last_error=r[8],
-        result=None if r[9] is None else json.loads(r[9]), started_at=r[10],
+        key=r[0],
+        incident_id=r[1],
+        kind=ActionKind(r[2]),
+        node=r[3],
+        params=json.loads(r[4]),
+        status=cast(ActionStatus, r[5]),
+        attempts=int(r[6]),
+        next_attempt_at=r[7],
+        last_error=r[8],
+        result=None if r[9] is None else json.loads(r[9]),
+        started_at=r[10],
     )
 
 
@@ -419,21 +475,30 @@ def _row_hash(prev: str, row: Sequence[Any]) -> str:
     return hashlib.sha256(body.encode("ascii")).hexdigest()
 
 
-def _append_audit(db: sqlite3.Connection, at: str, actor: str, incident_id: str | None, what: str,
-                  outcome: str) -> None:
+def _append_audit(
+    db: sqlite3.Connection, at: str, actor: str, incident_id: str | None, what: str, outcome: str
+) -> None:
     last = db.execute("SELECT id, hash FROM audit ORDER BY id DESC LIMIT 1").fetchone()
     number, prev = (1, GENESIS) if last is None else (int(last[0]) + 1, str(last[1]))
     digest = _row_hash(prev, (number, at, actor, incident_id, what, outcome))
-    db.execute("INSERT INTO audit(id, at, actor, incident_id, what, outcome, prev, hash) "
-               "VALUES(?, ?, ?, ?, ?, ?, ?, ?)", (number, at, actor, incident_id, what, outcome, prev, digest))
-    db.execute("INSERT INTO meta(key, value) VALUES('audit_head', ?) ON CONFLICT(key) DO UPDATE "
-               "SET value=excluded.value", (f"{number}:{digest}",))
+    db.execute(
+        "INSERT INTO audit(id, at, actor, incident_id, what, outcome, prev, hash) "
+        "VALUES(?, ?, ?, ?, ?, ?, ?, ?)",
+        (number, at, actor, incident_id, what, outcome, prev, digest),
+    )
+    db.execute(
+        "INSERT INTO meta(key, value) VALUES('audit_head', ?) ON CONFLICT(key) DO UPDATE "
+        "SET value=excluded.value",
+        (f"{number}:{digest}",),
+    )
 
 
 def _verify_chain(db: sqlite3.Connection) -> AuditCheck:
     problems: list[str] = []
     prev, count, last_id = GENESIS, 0, 0
-    for row in db.execute("SELECT id, at, actor, incident_id, what, outcome, prev, hash FROM audit ORDER BY id"):
+    for row in db.execute(
+        "SELECT id, at, actor, incident_id, what, outcome, prev, hash FROM audit ORDER BY id"
+    ):
         number = int(row[0])
         count += 1
         if number != last_id + 1:
@@ -446,7 +511,9 @@ def _verify_chain(db: sqlite3.Connection) -> AuditCheck:
     head = db.execute("SELECT value FROM meta WHERE key='audit_head'").fetchone()
     recorded = None if head is None else str(head[0])
     if count and recorded != f"{last_id}:{prev}":
-        problems.append(f"the last row is {last_id} but the recorded head is {recorded} (rows removed or added)")
+        problems.append(
+            f"the last row is {last_id} but the recorded head is {recorded} (rows removed or added)"
+        )
     if not count and recorded is not None:
         problems.append(f"the audit log is empty but its recorded head is {recorded} (rows removed)")
     return AuditCheck(rows=count, head=prev, problems=tuple(problems))
@@ -465,7 +532,12 @@ def _chain_audit(db: sqlite3.Connection) -> None:
         db.execute("UPDATE audit SET id=?, prev=?, hash=? WHERE id=?", (number, prev, digest, row[0]))
         prev = digest
     if rows:
-        db.execute("INSERT INTO meta(key, value) VALUES('audit_head', ?) ON CONFLICT(key) DO UPDATE "
-                   "SET value=excluded.value", (f"{number}:{prev}",))
-    db.execute("CREATE TRIGGER audit_no_update BEFORE UPDATE ON audit "
-               "BEGIN SELECT RAISE(ABORT, 'the audit log is append-only'); END")
+        db.execute(
+            "INSERT INTO meta(key, value) VALUES('audit_head', ?) ON CONFLICT(key) DO UPDATE "
+            "SET value=excluded.value",
+            (f"{number}:{prev}",),
+        )
+    db.execute(
+        "CREATE TRIGGER audit_no_update BEFORE UPDATE ON audit "
+        "BEGIN SELECT RAISE(ABORT, 'the audit log is append-only'); END"
+    )

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from replicheck.controller.backends.base import Backend
 from replicheck.controller.config import (
@@ -39,16 +40,26 @@ class Settings:
             raise ConfigError(f"unknown backend {self.backend!r}; choose one of {', '.join(BACKENDS)}")
 
 
-def load_settings(config_path: str | Path | None, *, backend: str | None = None,
-                  slurm_overrides: Mapping[str, Any] | None = None, **overrides: Any) -> Settings:
+def load_settings(
+    config_path: str | Path | None,
+    *,
+    backend: str | None = None,
+    slurm_overrides: Mapping[str, Any] | None = None,
+    **overrides: Any,
+) -> Settings:
     """Settings from an optional TOML file, then non-None ``overrides`` (command-line flags)."""
     data = load_config_file(config_path) if config_path else {}
     section = dict(data.get("controller", {}))
     kind = backend or section.pop("backend", None) or "local"
     controller = config_from_mapping(section).with_overrides(**overrides)
     slurm = {**data.get("slurm", {}), **{k: v for k, v in (slurm_overrides or {}).items() if v is not None}}
-    return Settings(backend=str(kind), controller=controller, slurm=slurm,
-                    kubernetes=dict(data.get("kubernetes", {})), hyperpod=dict(data.get("hyperpod", {})))
+    return Settings(
+        backend=str(kind),
+        controller=controller,
+        slurm=slurm,
+        kubernetes=dict(data.get("kubernetes", {})),
+        hyperpod=dict(data.get("hyperpod", {})),
+    )
 
 
 def make_backend(settings: Settings, db_path: str | Path) -> Backend:
@@ -76,13 +87,24 @@ def make_backend(settings: Settings, db_path: str | Path) -> Backend:
 
 def settings_to_json(settings: Settings) -> str:
     """Remembered in the database so ``replicheck nodes`` talks to the same backend."""
-    return json.dumps({"backend": settings.backend, "slurm": dict(settings.slurm),
-                       "kubernetes": dict(settings.kubernetes), "hyperpod": dict(settings.hyperpod)}, sort_keys=True)
+    return json.dumps(
+        {
+            "backend": settings.backend,
+            "slurm": dict(settings.slurm),
+            "kubernetes": dict(settings.kubernetes),
+            "hyperpod": dict(settings.hyperpod),
+        },
+        sort_keys=True,
+    )
 
 
 def settings_from_json(text: str | None) -> Settings:
     if not text:
         return Settings()
     data = json.loads(text)
-    return Settings(backend=data.get("backend", "local"), slurm=data.get("slurm", {}),
-                    kubernetes=data.get("kubernetes", {}), hyperpod=data.get("hyperpod", {}))
+    return Settings(
+        backend=data.get("backend", "local"),
+        slurm=data.get("slurm", {}),
+        kubernetes=data.get("kubernetes", {}),
+        hyperpod=data.get("hyperpod", {}),
+    )

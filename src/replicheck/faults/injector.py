@@ -110,7 +110,9 @@ class FaultHandle:
         self._gen = torch.Generator().manual_seed(fault.seed * 2)
         self._site = fault.where.describe() if fault.where is not None else ""
 
-    def offer(self, tensor: torch.Tensor, name: str, *, step: int | None = None, pass_: PassName | None = None) -> None:
+    def offer(
+        self, tensor: torch.Tensor, name: str, *, step: int | None = None, pass_: PassName | None = None
+    ) -> None:
         """Called by a site for each event: corrupt ``tensor`` in place if the fault acts now."""
         if not self.active:
             return
@@ -122,9 +124,20 @@ class FaultHandle:
         if not self._trigger.fires(step):
             return
         change = self.fault.what.apply(tensor, self._generator(name, tensor))
-        self.records.append(Corruption(rank=self.rank, step=step, pass_=pass_, site=self._site, tensor=name,
-                                       kind=change.kind, positions=change.positions, old=change.old,
-                                       new=change.new, bit=change.bit))
+        self.records.append(
+            Corruption(
+                rank=self.rank,
+                step=step,
+                pass_=pass_,
+                site=self._site,
+                tensor=name,
+                kind=change.kind,
+                positions=change.positions,
+                old=change.old,
+                new=change.new,
+                bit=change.bit,
+            )
+        )
 
     def _generator(self, name: str, tensor: torch.Tensor) -> torch.Generator:
         """Random choices (positions, bits, mix draws) for one corruption.
@@ -217,7 +230,9 @@ class Fault:
         return dataclasses.replace(self, when=Intermittent(p=p, start=from_step, stop=to_step))
 
     # -- what -------------------------------------------------------------------------------
-    def bitflip(self, bit: int | None = None, field: BitField = "mantissa", index: int | None = None) -> Fault:
+    def bitflip(
+        self, bit: int | None = None, field: BitField = "mantissa", index: int | None = None
+    ) -> Fault:
         return dataclasses.replace(self, what=BitFlip(bit=bit, field=field, index=index))
 
     def zero_chunk(self, width: int = 32, index: int | None = None) -> Fault:
@@ -260,8 +275,14 @@ class Fault:
         who = "" if self.rank is None else f" on rank {self.rank}"
         return f"{self.what.describe()} in {where}, {self.when.describe()}{who}"
 
-    def install(self, model: torch.nn.Module, *, optimizer: torch.optim.Optimizer | None = None,
-                guard: Any = None, rank: int | None = None) -> FaultHandle:
+    def install(
+        self,
+        model: torch.nn.Module,
+        *,
+        optimizer: torch.optim.Optimizer | None = None,
+        guard: Any = None,
+        rank: int | None = None,
+    ) -> FaultHandle:
         """Hook the fault into ``model`` (a DDP wrapper is looked through) on the chosen rank.
 
         ``rank`` is this process's rank (default: the torch.distributed rank, or 0).
@@ -273,7 +294,9 @@ class Fault:
         handle = FaultHandle(self, me, active)
         if active:
             bare = unwrap(model)
-            handle._removers = self.where.install(Targets(model=bare, optimizer=optimizer, guard=guard), handle)
+            handle._removers = self.where.install(
+                Targets(model=bare, optimizer=optimizer, guard=guard), handle
+            )
         return handle
 
 

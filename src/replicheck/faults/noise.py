@@ -8,8 +8,9 @@ passes and replays, so noise drawn from it would repeat exactly in a replay.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 

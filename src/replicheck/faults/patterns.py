@@ -148,7 +148,7 @@ class ZeroChunk:
         flat = _flat(tensor)
         start = (_pick(flat.numel(), gen, self.index) // self.width) * self.width
         pos, old = _span(flat, start, self.width)
-        flat[start:start + len(pos)] = 0
+        flat[start : start + len(pos)] = 0
         return Change(kind="zero_chunk", positions=tuple(pos), old=old, new=_values(flat, pos))
 
     def describe(self) -> str:
@@ -174,7 +174,7 @@ class Scale:
         flat = _flat(tensor)
         start = _pick(flat.numel(), gen, self.index)
         pos, old = _span(flat, start, self.count)
-        flat[start:start + len(pos)] *= self.factor
+        flat[start : start + len(pos)] *= self.factor
         return Change(kind="scale", positions=tuple(pos), old=old, new=_values(flat, pos))
 
     def describe(self) -> str:

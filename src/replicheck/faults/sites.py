@@ -8,8 +8,9 @@ returns the functions that remove them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -26,7 +27,9 @@ MATMUL_OPS: tuple[str, ...] = ("mm", "addmm", "bmm", "baddbmm")
 class Sink(Protocol):
     """What a site hands its tensors to (the injector)."""
 
-    def offer(self, tensor: torch.Tensor, name: str, *, step: int | None = None, pass_: PassName | None = None) -> None: ...
+    def offer(
+        self, tensor: torch.Tensor, name: str, *, step: int | None = None, pass_: PassName | None = None
+    ) -> None: ...
 
 
 @dataclass
@@ -94,10 +97,16 @@ class Forward:
         mod = _module(targets.model, self.module)
         label = self.module or "<model>"
         if self.ops == "output":
+
             def hook(_m: torch.nn.Module, _inp: Any, out: Any) -> None:
-                t = out if isinstance(out, torch.Tensor) else (out[0] if isinstance(out, (tuple, list)) and out else None)
+                t = (
+                    out
+                    if isinstance(out, torch.Tensor)
+                    else (out[0] if isinstance(out, (tuple, list)) and out else None)
+                )
                 if isinstance(t, torch.Tensor) and t.is_floating_point():
                     sink.offer(t.data, f"{label}.output")
+
             return [mod.register_forward_hook(hook).remove]
         ops = MATMUL_OPS if self.ops == "matmul" else tuple(self.ops)
         active: list[_OpFaults] = []
@@ -115,7 +124,9 @@ class Forward:
         return [h.remove for h in handles]
 
     def describe(self) -> str:
-        what = "output" if self.ops == "output" else ("matmuls" if self.ops == "matmul" else "/".join(self.ops))
+        what = (
+            "output" if self.ops == "output" else ("matmuls" if self.ops == "matmul" else "/".join(self.ops))
+        )
         return f"forward {what} of {self.module or '<model>'}"
 
 
@@ -171,7 +182,10 @@ class OptimizerUpdate(_ParamSite):
                     idx = changed.nonzero().flatten()
                     p.detach().view(-1)[idx] = before.view(-1)[idx] + delta[idx]
 
-        handles = [targets.optimizer.register_step_pre_hook(pre), targets.optimizer.register_step_post_hook(post)]
+        handles = [
+            targets.optimizer.register_step_pre_hook(pre),
+            targets.optimizer.register_step_post_hook(post),
+        ]
         return [h.remove for h in handles]
 
     def describe(self) -> str:

@@ -6,8 +6,9 @@ all-gather), so every rank takes part in the same exchanges and reaches the same
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from replicheck.guard.comm import Comm
 from replicheck.guard.config import Mode
@@ -50,8 +51,14 @@ class PairOutcome:
     agree: bool
 
     def to_evidence(self) -> dict[str, Any]:
-        return {"source": self.source, "verifier": self.verifier, "source_node": self.source_node,
-                "verifier_node": self.verifier_node, "distance": self.distance, "agree": self.agree}
+        return {
+            "source": self.source,
+            "verifier": self.verifier,
+            "source_node": self.source_node,
+            "verifier_node": self.verifier_node,
+            "distance": self.distance,
+            "agree": self.agree,
+        }
 
 
 @dataclass(frozen=True)
@@ -81,9 +88,14 @@ class _Arbitration:
         return arbitrate(self.agrees_with_source, self.agrees_with_verifier, self.source, self.verifier)
 
     def to_evidence(self) -> dict[str, Any]:
-        return {"source": self.source, "verifier": self.verifier, "arbiter": self.arbiter,
-                "agrees_with_source": self.agrees_with_source, "agrees_with_verifier": self.agrees_with_verifier,
-                "odd_one_out": self.odd_one_out}
+        return {
+            "source": self.source,
+            "verifier": self.verifier,
+            "arbiter": self.arbiter,
+            "agrees_with_source": self.agrees_with_source,
+            "agrees_with_verifier": self.agrees_with_verifier,
+            "odd_one_out": self.odd_one_out,
+        }
 
 
 @dataclass(frozen=True)
@@ -99,12 +111,23 @@ class _Rerun:
         return "persistent" if self.same_answer else "transient"
 
     def to_evidence(self) -> dict[str, Any]:
-        return {"rank": self.rank, "rerun": self.rerun, "same_answer": self.same_answer,
-                "classification": self.classification}
+        return {
+            "rank": self.rank,
+            "rerun": self.rerun,
+            "same_answer": self.same_answer,
+            "classification": self.classification,
+        }
 
 
-def resolve_replay(*, comm: Comm, ring: Ring, pairs: Sequence[PairOutcome], view: LocalView, replay: Replayer,
-                   criterion: Criterion) -> Finding:
+def resolve_replay(
+    *,
+    comm: Comm,
+    ring: Ring,
+    pairs: Sequence[PairOutcome],
+    view: LocalView,
+    replay: Replayer,
+    criterion: Criterion,
+) -> Finding:
     """Name the rank behind failing pairs, arbitrating lone pairs, then classify the fault."""
     failing = [(p.source, p.verifier) for p in pairs if not p.agree]
     attribution = attribute_pairs(failing)
@@ -132,12 +155,18 @@ def resolve_replay(*, comm: Comm, ring: Ring, pairs: Sequence[PairOutcome], view
     suspects.sort()
     if unresolved:
         evidence["unresolved_pairs"] = [list(p) for p in unresolved]
-    return Finding(check="replay", suspects=tuple(suspects), candidates=tuple(candidates),
-                   classification=by_rank.get(suspects[0], "ambiguous"), evidence=evidence)
+    return Finding(
+        check="replay",
+        suspects=tuple(suspects),
+        candidates=tuple(candidates),
+        classification=by_rank.get(suspects[0], "ambiguous"),
+        evidence=evidence,
+    )
 
 
-def _arbiters(ring: Ring, unexplained: Sequence[tuple[int, int]]
-              ) -> tuple[list[tuple[int, int, int]], list[tuple[int, int]]]:
+def _arbiters(
+    ring: Ring, unexplained: Sequence[tuple[int, int]]
+) -> tuple[list[tuple[int, int, int]], list[tuple[int, int]]]:
     """A distinct arbiter for each unexplained pair where one exists: ``(tasks, pairs left)``."""
     tasks: list[tuple[int, int, int]] = []
     unresolved: list[tuple[int, int]] = []
@@ -152,8 +181,9 @@ def _arbiters(ring: Ring, unexplained: Sequence[tuple[int, int]]
     return tasks, unresolved
 
 
-def _arbitrate(comm: Comm, tasks: Sequence[tuple[int, int, int]], view: LocalView, replay: Replayer,
-               criterion: Criterion) -> list[_Arbitration]:
+def _arbitrate(
+    comm: Comm, tasks: Sequence[tuple[int, int, int]], view: LocalView, replay: Replayer, criterion: Criterion
+) -> list[_Arbitration]:
     """Each verifier forwards the disputed payload and its own replay to the pair's arbiter."""
     rank = comm.rank
     request = ArbitrationRequest(payload=view.received, verifier_result=view.replayed)
@@ -165,14 +195,26 @@ def _arbitrate(comm: Comm, tasks: Sequence[tuple[int, int, int]], view: LocalVie
             continue
         msg = ArbitrationRequest.decode(inbox[ver])
         result = replay(msg.payload)
-        mine.append(_Arbitration(source=src, verifier=ver, arbiter=arb,
-                                 agrees_with_source=criterion.agree(msg.payload.result, result),
-                                 agrees_with_verifier=criterion.agree(msg.verifier_result, result)))
+        mine.append(
+            _Arbitration(
+                source=src,
+                verifier=ver,
+                arbiter=arb,
+                agrees_with_source=criterion.agree(msg.payload.result, result),
+                agrees_with_verifier=criterion.agree(msg.verifier_result, result),
+            )
+        )
     return [a for reports in comm.gather_objects(mine) for a in reports]
 
 
-def _classify(comm: Comm, suspects: Sequence[int], sources: set[int], view: LocalView, replay: Replayer,
-              criterion: Criterion) -> list[_Rerun]:
+def _classify(
+    comm: Comm,
+    suspects: Sequence[int],
+    sources: set[int],
+    view: LocalView,
+    replay: Replayer,
+    criterion: Criterion,
+) -> list[_Rerun]:
     """Each suspect recomputes what it is blamed for and compares with its first answer."""
     mine: _Rerun | None = None
     if comm.rank in suspects:

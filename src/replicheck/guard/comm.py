@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Sequence, TypeVar
+from collections.abc import Sequence
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -59,13 +60,16 @@ class Comm:
         payloads = [(dst, pack(obj)) for dst, obj in sends]
         lengths_in = {src: torch.zeros(1, dtype=torch.int64, device=self.device) for src in recv_from}
         reqs = [
-            dist.isend(torch.tensor([p.numel()], dtype=torch.int64, device=self.device), self._g(dst), self.group)
+            dist.isend(
+                torch.tensor([p.numel()], dtype=torch.int64, device=self.device), self._g(dst), self.group
+            )
             for dst, p in payloads
         ]
         reqs += [dist.irecv(t, self._g(src), self.group) for src, t in lengths_in.items()]
         _wait(reqs)
         data_in = {
-            src: torch.empty(int(n.item()), dtype=torch.uint8, device=self.device) for src, n in lengths_in.items()
+            src: torch.empty(int(n.item()), dtype=torch.uint8, device=self.device)
+            for src, n in lengths_in.items()
         }
         reqs = [dist.isend(p.to(self.device), self._g(dst), self.group) for dst, p in payloads]
         reqs += [dist.irecv(t, self._g(src), self.group) for src, t in data_in.items()]

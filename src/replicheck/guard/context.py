@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator, Literal
+from typing import Literal
 
 PassName = Literal["idle", "train", "probe", "replay", "optimizer", "rebuild", "selftest"]
 """What the process is running: a training pass, a probe, a replay, the optimizer step..."""

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, NoReturn, Sequence
+from typing import Any, NoReturn
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -116,19 +118,30 @@ class Guard:
         self._ring = Ring.build([n.name for n in self._nodes])
 
         self._fingerprinter = Fingerprinter(cfg.mode, cfg.sketch_k)
-        self._recompute = Recompute(self._module, loss_fn, self._params, self._fingerprinter, cfg.use_deterministic)
+        self._recompute = Recompute(
+            self._module, loss_fn, self._params, self._fingerprinter, cfg.use_deterministic
+        )
         self._health = GradHealth(self._comm.group, digest_reduced=cfg.check_reduced and self.world_size > 1)
         self._hooked = self._install_comm_hook()
-        self._batchnorms = [m for m in self._module.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+        self._batchnorms = [
+            m for m in self._module.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
+        ]
         self._next_step = cfg.start_step
-        self._needs_rebuild = self._ddp_model is not None and cfg.start_step > 0 and cfg.rebuild_buckets_on_resume
+        self._needs_rebuild = (
+            self._ddp_model is not None and cfg.start_step > 0 and cfg.rebuild_buckets_on_resume
+        )
         self.last_verified_step: int | None = cfg.resume_verified_step
         """The newest step whose verification passed (a resumed job may set it from its checkpoint)."""
         self._noise = 0.0
         self._calibrations = 0
         self._reporter = IncidentBuilder(
-            job_id=job_id, rank=self.rank, nodes=self._nodes, param_names=tuple(n for n, _ in named),
-            ring=self._ring.order, mode=cfg.mode, incident_dir=cfg.incident_dir,
+            job_id=job_id,
+            rank=self.rank,
+            nodes=self._nodes,
+            param_names=tuple(n for n, _ in named),
+            ring=self._ring.order,
+            mode=cfg.mode,
+            incident_dir=cfg.incident_dir,
         )
 
     def _checked_params(self) -> list[tuple[str, torch.nn.Parameter]]:
@@ -190,7 +203,9 @@ class Guard:
     def check_replicas(self) -> None:
         """Collective: compare weights and optimizer state now; raise CorruptionDetected if they differ."""
         step = self._next_step - 1
-        row = torch.tensor([fp.weights_digest(self._params), fp.optimizer_digest(self._optimizer)], dtype=torch.int64)
+        row = torch.tensor(
+            [fp.weights_digest(self._params), fp.optimizer_digest(self._optimizer)], dtype=torch.int64
+        )
         rows = self._comm.gather_rows(row)
         findings = replicas.findings(rows[:, 0].tolist(), rows[:, 1].tolist())
         if findings:
@@ -210,7 +225,9 @@ class Guard:
         self._optimizer.zero_grad(set_to_none=True)
         self._health.reset()
 
-        own = self._own_probe(s, microbatches[0], sizes[0], sum(sizes), more=len(sizes) > 1) if verify else None
+        own = (
+            self._own_probe(s, microbatches[0], sizes[0], sum(sizes), more=len(sizes) > 1) if verify else None
+        )
         done = self._backward(s, list(microbatches), sizes, own)
         row, view = self._local_row(s, done, own, check_replicas)
         rows = StepRow.decode(self._comm.gather_rows(row.encode()))
@@ -225,9 +242,13 @@ class Guard:
         return StepResult(loss=row.loss, step=s, verified=verify, replicas_checked=check_replicas)
 
     # -- the step's phases ------------------------------------------------------------------
-    def _no_sync(self, sync: bool) -> ContextManager[Any]:
+    def _no_sync(self, sync: bool) -> AbstractContextManager[Any]:
         """DDP's ``no_sync`` for a pass whose gradients must not be all-reduced yet."""
-        return self._ddp_model.no_sync() if self._ddp_model is not None and not sync else contextlib.nullcontext()
+        return (
+            self._ddp_model.no_sync()
+            if self._ddp_model is not None and not sync
+            else contextlib.nullcontext()
+        )
 
     def _backward(self, s: int, mbs: list[Any], sizes: Sequence[int], own: _OwnProbe | None) -> _Backward:
         """The training passes (after a split probe, the rest of the batch); the last one syncs."""
@@ -237,7 +258,9 @@ class Guard:
         if own is not None and own.split is not None:
             probe = own.split
             done.losses.append((probe.weight, probe.loss))
-            done.passes.append(BackwardPass(batch=own.payload.batch, weight=own.payload.weight, seed=own.payload.seed))
+            done.passes.append(
+                BackwardPass(batch=own.payload.batch, weight=own.payload.weight, seed=own.payload.seed)
+            )
             if probe.rest is None:
                 mbs.pop(0)
                 weights.pop(0)
@@ -256,18 +279,29 @@ class Guard:
             self._health.observe_reduced(grads)
         return done
 
-    def _local_row(self, s: int, done: _Backward, own: _OwnProbe | None,
-                   check_replicas: bool) -> tuple[StepRow, LocalView | None]:
+    def _local_row(
+        self, s: int, done: _Backward, own: _OwnProbe | None, check_replicas: bool
+    ) -> tuple[StepRow, LocalView | None]:
         """This rank's contribution to the step's all-gather (the ring exchange runs here)."""
-        loss = float(sum(w * l.double() for w, l in done.losses))
+        loss = float(sum(w * part.double() for w, part in done.losses))
         local_norm, reduced = self._health.local_norm(), self._health.reduced_digest()
         weights = fp.weights_digest(self._params) if check_replicas else 0
         opt = fp.optimizer_digest(self._optimizer) if check_replicas else 0
         if own is None:
-            return StepRow(loss=loss, local_norm=local_norm, reduced=reduced, weights=weights, optimizer=opt), None
+            return StepRow(
+                loss=loss, local_norm=local_norm, reduced=reduced, weights=weights, optimizer=opt
+            ), None
         view, distance, noise = self._verify_pair(s, own.payload)
-        return StepRow(loss=loss, local_norm=local_norm, reduced=reduced, weights=weights, optimizer=opt,
-                       verified=True, pair_distance=distance, noise=noise), view
+        return StepRow(
+            loss=loss,
+            local_norm=local_norm,
+            reduced=reduced,
+            weights=weights,
+            optimizer=opt,
+            verified=True,
+            pair_distance=distance,
+            noise=noise,
+        ), view
 
     # -- the verification pass --------------------------------------------------------------
     def _probe_mode(self) -> ProbeMode:
@@ -284,16 +318,23 @@ class Guard:
         weight = p / total
         split_probe = None
         if self._probe_mode() == "split" and (size > p or more):
-            with self._no_sync(False), running(s, "probe"), seeded(seed, self._params[0].device), \
-                    deterministic(cfg.use_deterministic):
+            with (
+                self._no_sync(False),
+                running(s, "probe"),
+                seeded(seed, self._params[0].device),
+                deterministic(cfg.use_deterministic),
+            ):
                 loss = self._loss_fn(self._model, probe_batch)
                 _backward(loss * weight)
-            result = ProbeResult(float(loss.detach()), self._fingerprinter([q.grad for q in self._params], seed))
+            result = ProbeResult(
+                float(loss.detach()), self._fingerprinter([q.grad for q in self._params], seed)
+            )
             split_probe = _SplitProbe(loss=loss.detach(), weight=weight, rest=rest if size > p else None)
         else:
             result = self._recompute.probe(probe_batch, weight=weight, seed=seed, step=s, pass_="probe")
-        payload = ProbePayload(step=s, source=self.rank, batch=probe_batch, weight=weight, seed=seed, size=p,
-                               result=result)
+        payload = ProbePayload(
+            step=s, source=self.rank, batch=probe_batch, weight=weight, seed=seed, size=p, result=result
+        )
         return _OwnProbe(payload=payload, split=split_probe)
 
     def _replayer(self, s: int) -> Replayer:
@@ -313,15 +354,24 @@ class Guard:
         return LocalView(own=own, received=received, replayed=replayed), distance, noise
 
     # -- verdict ------------------------------------------------------------------------------
-    def _evaluate(self, s: int, rows: Sequence[StepRow], check_replicas: bool, view: LocalView | None,
-                  passes: Sequence[BackwardPass]) -> list[Finding]:
+    def _evaluate(
+        self,
+        s: int,
+        rows: Sequence[StepRow],
+        check_replicas: bool,
+        view: LocalView | None,
+        passes: Sequence[BackwardPass],
+    ) -> list[Finding]:
         bound = self._config.grad_norm_bound
         findings: list[Finding] = []
         norms = [r.local_norm for r in rows]
         bad = [r for r, n in enumerate(norms) if not replicas.healthy(n, bound)]
         if bad:
-            findings.append(replicas.gradient_finding(self._comm, bad, norms, bound,
-                                                      lambda: self._recompute.gradient_norm(passes, s)))
+            findings.append(
+                replicas.gradient_finding(
+                    self._comm, bad, norms, bound, lambda: self._recompute.gradient_norm(passes, s)
+                )
+            )
         if self._health.digest_reduced:
             f = replicas.vote_finding("reduced_gradients", [r.reduced for r in rows])
             if f is not None:
@@ -342,8 +392,9 @@ class Guard:
         if self._calibrations < cfg.calibration_verifications:
             self._noise = max(self._noise, max(r.noise for r in rows))
             self._calibrations += 1
-        return tolerance(self._noise, margin=cfg.tolerance_margin, floor=cfg.tolerance_floor,
-                         ceiling=cfg.tolerance_ceiling)
+        return tolerance(
+            self._noise, margin=cfg.tolerance_margin, floor=cfg.tolerance_floor, ceiling=cfg.tolerance_ceiling
+        )
 
     def _replay_finding(self, s: int, rows: Sequence[StepRow], view: LocalView) -> Finding | None:
         criterion = Criterion(mode=self._config.mode, threshold=self._threshold(rows))
@@ -351,12 +402,26 @@ class Guard:
         for ver in range(self.world_size):
             src = self._ring.source_of(ver)
             d = rows[ver].pair_distance
-            pairs.append(PairOutcome(source=src, verifier=ver, source_node=self._nodes[src].name,
-                                     verifier_node=self._nodes[ver].name, distance=d, agree=criterion.accepts(d)))
+            pairs.append(
+                PairOutcome(
+                    source=src,
+                    verifier=ver,
+                    source_node=self._nodes[src].name,
+                    verifier_node=self._nodes[ver].name,
+                    distance=d,
+                    agree=criterion.accepts(d),
+                )
+            )
         if all(p.agree for p in pairs):
             return None
-        return resolve_replay(comm=self._comm, ring=self._ring, pairs=pairs, view=view, replay=self._replayer(s),
-                              criterion=criterion)
+        return resolve_replay(
+            comm=self._comm,
+            ring=self._ring,
+            pairs=pairs,
+            view=view,
+            replay=self._replayer(s),
+            criterion=criterion,
+        )
 
     def _raise(self, s: int, findings: list[Finding]) -> NoReturn:
         self._optimizer.zero_grad(set_to_none=True)
@@ -367,7 +432,11 @@ class Guard:
     def _rebuild_buckets(self, batch: Any) -> None:
         """One synced backward, gradients discarded, so DDP settles its bucket layout."""
         self._needs_rebuild = False
-        with torch.random.fork_rng(devices=[]), running(self._next_step, "rebuild"), buffers_restored(self._module):
+        with (
+            torch.random.fork_rng(devices=[]),
+            running(self._next_step, "rebuild"),
+            buffers_restored(self._module),
+        ):
             loss = self._loss_fn(self._model, batch)
             _backward(loss)
         self._optimizer.zero_grad(set_to_none=True)

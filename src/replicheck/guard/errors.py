@@ -22,9 +22,7 @@ class CorruptionDetected(GuardError):
 
     def __init__(self, incident: Incident) -> None:
         self.incident = incident
-        who = ", ".join(
-            f"rank {r} on {n}" for r, n in zip(incident.suspect_ranks, incident.suspect_nodes)
-        )
+        who = ", ".join(f"rank {r} on {n}" for r, n in zip(incident.suspect_ranks, incident.suspect_nodes))
         super().__init__(
             f"silent data corruption at step {incident.step}: check {incident.check!r}, "
             f"{incident.classification}, suspect: {who or 'undetermined'}"

@@ -1,7 +1,8 @@
 """Per-step gradient checks: local health before the all-reduce, agreement after it."""
 
 # No `from __future__ import annotations`: DDP inspects the comm hook's annotations at runtime.
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -95,8 +96,14 @@ class Recompute:
     deterministic kernels), so the failure-path helpers get callables, not the guard.
     """
 
-    def __init__(self, module: torch.nn.Module, loss_fn: LossFn, params: Sequence[torch.nn.Parameter],
-                 fingerprinter: Fingerprinter, deterministic_kernels: bool) -> None:
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        loss_fn: LossFn,
+        params: Sequence[torch.nn.Parameter],
+        fingerprinter: Fingerprinter,
+        deterministic_kernels: bool,
+    ) -> None:
         self._module = module
         self._loss_fn = loss_fn
         self._params = list(params)
@@ -104,10 +111,16 @@ class Recompute:
         self._deterministic = deterministic_kernels
         self._device = self._params[0].device if self._params else torch.device("cpu")
 
-    def probe(self, batch: Any, *, weight: float, seed: int, step: int, pass_: PassName = "replay") -> ProbeResult:
+    def probe(
+        self, batch: Any, *, weight: float, seed: int, step: int, pass_: PassName = "replay"
+    ) -> ProbeResult:
         """Loss and fingerprint of ``batch`` run as a probe under ``seed``."""
-        with running(step, pass_), seeded(seed, self._device), deterministic(self._deterministic), \
-                buffers_restored(self._module):
+        with (
+            running(step, pass_),
+            seeded(seed, self._device),
+            deterministic(self._deterministic),
+            buffers_restored(self._module),
+        ):
             loss = self._loss_fn(self._module, batch)
             grads = torch.autograd.grad(loss * weight, self._params, allow_unused=True)
         return ProbeResult(loss=float(loss.detach()), fingerprint=self._fingerprinter(list(grads), seed))
@@ -153,7 +166,9 @@ def compare(a: ProbeResult, b: ProbeResult, mode: Mode, threshold: float) -> Com
     if mode == "exact":
         diff = (a.fingerprint != b.fingerprint).nonzero().flatten().tolist()
         loss_equal = float_bits(a.loss) == float_bits(b.loss)
-        return Comparison(distance=0.0 if not diff and loss_equal else 1.0, loss_equal=loss_equal, differing=tuple(diff))
+        return Comparison(
+            distance=0.0 if not diff and loss_equal else 1.0, loss_equal=loss_equal, differing=tuple(diff)
+        )
     per_tensor = fp.sketch_distance(a.fingerprint, b.fingerprint)
     loss_scale = max(abs(a.loss), abs(b.loss), 1e-30)
     loss_dist = abs(a.loss - b.loss) / loss_scale if a.loss == a.loss and b.loss == b.loss else float("inf")

@@ -4,8 +4,9 @@ the per-step gradient health finding."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from replicheck.guard.comm import Comm
 from replicheck.guard.verdict import Finding, vote
@@ -53,8 +54,9 @@ class _GradientRerun:
         return {"rank": self.rank, "rerun_norm": self.rerun_norm, "classification": self.classification}
 
 
-def gradient_finding(comm: Comm, bad: list[int], norms: list[float], bound: float | None,
-                     rerun_norm: Callable[[], float]) -> Finding:
+def gradient_finding(
+    comm: Comm, bad: list[int], norms: list[float], bound: float | None, rerun_norm: Callable[[], float]
+) -> Finding:
     """Ranks whose local gradient was non-finite or too large; each re-runs its step to classify.
 
     ``rerun_norm`` repeats this rank's passes of the step as they ran and returns the local
@@ -70,10 +72,17 @@ def gradient_finding(comm: Comm, bad: list[int], norms: list[float], bound: floa
     mine = None
     if comm.rank in bad:
         again = rerun_norm()
-        mine = _GradientRerun(rank=comm.rank, rerun_norm=again,
-                              classification="transient" if healthy(again, bound) else "persistent")
+        mine = _GradientRerun(
+            rank=comm.rank,
+            rerun_norm=again,
+            classification="transient" if healthy(again, bound) else "persistent",
+        )
     reruns = [r for r in comm.gather_objects(mine) if r is not None]
     evidence["reruns"] = [r.to_evidence() for r in reruns]
     by_rank = {r.rank: r.classification for r in reruns}
-    return Finding(check="gradients", suspects=tuple(bad), classification=by_rank.get(bad[0], "ambiguous"),
-                   evidence=evidence)
+    return Finding(
+        check="gradients",
+        suspects=tuple(bad),
+        classification=by_rank.get(bad[0], "ambiguous"),
+        evidence=evidence,
+    )

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from replicheck.guard.config import Mode
 from replicheck.guard.verdict import Finding, primary
@@ -46,8 +47,12 @@ class IncidentBuilder:
         candidates = tuple(Suspect(rank=r, node=self.nodes[r]) for r in main.candidates)
         names = [s.node.name for s in (suspects or candidates)]
         evidence: dict[str, Any] = {
-            f.check: {**json_safe(f.evidence), "suspects": list(f.suspects), "candidates": list(f.candidates),
-                      "classification": f.classification if f.suspects else "ambiguous"}
+            f.check: {
+                **json_safe(f.evidence),
+                "suspects": list(f.suspects),
+                "candidates": list(f.candidates),
+                "classification": f.classification if f.suspects else "ambiguous",
+            }
             for f in findings
         }
         evidence["param_names"] = list(self.param_names)

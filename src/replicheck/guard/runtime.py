@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 from replicheck.incident import NodeIdentity
 

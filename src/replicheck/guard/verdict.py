@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from replicheck.incident import Check, Classification
 
@@ -51,7 +52,9 @@ def vote(values: Sequence[int]) -> Vote:
         return Vote(agree=True, dissenters=(), candidates=())
     value, n = counts.most_common(1)[0]
     if n * 2 > len(values):
-        return Vote(agree=False, dissenters=tuple(r for r, v in enumerate(values) if v != value), candidates=())
+        return Vote(
+            agree=False, dissenters=tuple(r for r, v in enumerate(values) if v != value), candidates=()
+        )
     return Vote(agree=False, dissenters=(), candidates=tuple(range(len(values))))
 
 

@@ -68,8 +68,17 @@ class ProbePayload:
     """The loss and fingerprint the source computed."""
 
     def encode(self) -> tuple[object, ...]:
-        return (_PROBE_TAG, self.step, self.source, self.batch, self.weight, self.seed, self.size,
-                self.result.loss, self.result.fingerprint)
+        return (
+            _PROBE_TAG,
+            self.step,
+            self.source,
+            self.batch,
+            self.weight,
+            self.seed,
+            self.size,
+            self.result.loss,
+            self.result.fingerprint,
+        )
 
     @classmethod
     def decode(cls, wire: object) -> ProbePayload:
@@ -78,8 +87,15 @@ class ProbePayload:
         _, step, source, batch, weight, seed, size, loss, fingerprint = wire
         if not isinstance(fingerprint, torch.Tensor):
             raise WireFormatError("probe payload without a fingerprint tensor")
-        return cls(step=int(step), source=int(source), batch=batch, weight=float(weight), seed=int(seed),
-                   size=int(size), result=ProbeResult(loss=float(loss), fingerprint=fingerprint))
+        return cls(
+            step=int(step),
+            source=int(source),
+            batch=batch,
+            weight=float(weight),
+            seed=int(seed),
+            size=int(size),
+            result=ProbeResult(loss=float(loss), fingerprint=fingerprint),
+        )
 
 
 @dataclass(frozen=True)
@@ -92,8 +108,12 @@ class ArbitrationRequest:
     """What the verifier's replay of it gave."""
 
     def encode(self) -> tuple[object, ...]:
-        return (_ARBITRATION_TAG, self.payload.encode(), self.verifier_result.loss,
-                self.verifier_result.fingerprint)
+        return (
+            _ARBITRATION_TAG,
+            self.payload.encode(),
+            self.verifier_result.loss,
+            self.verifier_result.fingerprint,
+        )
 
     @classmethod
     def decode(cls, wire: object) -> ArbitrationRequest:
@@ -102,8 +122,10 @@ class ArbitrationRequest:
         _, payload, loss, fingerprint = wire
         if not isinstance(fingerprint, torch.Tensor):
             raise WireFormatError("arbitration request without the verifier's fingerprint tensor")
-        return cls(payload=ProbePayload.decode(payload),
-                   verifier_result=ProbeResult(loss=float(loss), fingerprint=fingerprint))
+        return cls(
+            payload=ProbePayload.decode(payload),
+            verifier_result=ProbeResult(loss=float(loss), fingerprint=fingerprint),
+        )
 
 
 @dataclass(frozen=True)
@@ -132,8 +154,16 @@ class StepRow:
 
     def encode(self) -> torch.Tensor:
         return torch.tensor(
-            [float_bits(self.local_norm), self.reduced, self.weights, self.optimizer, int(self.verified),
-             float_bits(self.pair_distance), float_bits(self.noise), float_bits(self.loss)],
+            [
+                float_bits(self.local_norm),
+                self.reduced,
+                self.weights,
+                self.optimizer,
+                int(self.verified),
+                float_bits(self.pair_distance),
+                float_bits(self.noise),
+                float_bits(self.loss),
+            ],
             dtype=torch.int64,
         )
 
@@ -143,7 +173,15 @@ class StepRow:
         if rows.dim() != 2 or rows.shape[1] != cls.WIDTH:
             raise WireFormatError(f"step rows must have shape (world, {cls.WIDTH}), got {tuple(rows.shape)}")
         return [
-            cls(local_norm=bits_float(norm), reduced=reduced, weights=weights, optimizer=opt, verified=bool(verified),
-                pair_distance=bits_float(pair), noise=bits_float(noise), loss=bits_float(loss))
+            cls(
+                local_norm=bits_float(norm),
+                reduced=reduced,
+                weights=weights,
+                optimizer=opt,
+                verified=bool(verified),
+                pair_distance=bits_float(pair),
+                noise=bits_float(noise),
+                loss=bits_float(loss),
+            )
             for norm, reduced, weights, opt, verified, pair, noise, loss in rows.tolist()
         ]

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -12,8 +13,8 @@ from torch.nn.parallel import DistributedDataParallel
 from replicheck import fingerprint as fp
 from replicheck.checkpoint.policy import Policy
 from replicheck.guard import CorruptionDetected, Guard, GuardConfig
-from replicheck.harness.launch import RankContext
 from replicheck.guard.modules import unwrap
+from replicheck.harness.launch import RankContext
 from replicheck.harness.workloads import DecoderConfig, lm_loss, make_model, synthetic_batch
 
 Setup = Callable[[RankContext, torch.nn.Module, torch.optim.Optimizer, Guard], Any]
@@ -95,8 +96,14 @@ def batch_for(spec: JobSpec, step: int, rank: int) -> list[dict[str, torch.Tenso
     return parts
 
 
-def _checkpointing(spec: JobSpec, gcfg: GuardConfig, model: torch.nn.Module, opt: torch.optim.Optimizer,
-                   result: JobResult, ctx_rank: int) -> tuple[Any, GuardConfig]:
+def _checkpointing(
+    spec: JobSpec,
+    gcfg: GuardConfig,
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    result: JobResult,
+    ctx_rank: int,
+) -> tuple[Any, GuardConfig]:
     """The job's checkpoint store (or None) and the guard config, resumed when asked."""
     if spec.checkpoint_dir is None:
         return None, gcfg

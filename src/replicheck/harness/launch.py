@@ -13,9 +13,10 @@ import multiprocessing as mp
 import queue
 import time
 import traceback
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Sequence
+from typing import Any
 
 
 class LaunchError(RuntimeError):
@@ -41,15 +42,20 @@ def node_names(nodes: int, per_node: int) -> list[str]:
     return [f"node{r // per_node}" for r in range(nodes * per_node)]
 
 
-def _child(fn: Callable[..., Any], ctx: RankContext, port: int, args: tuple[Any, ...], out: Any, threads: int) -> None:
+def _child(
+    fn: Callable[..., Any], ctx: RankContext, port: int, args: tuple[Any, ...], out: Any, threads: int
+) -> None:
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(threads)
     try:
-        store = dist.TCPStore("127.0.0.1", port, ctx.world_size, is_master=False, timeout=timedelta(seconds=60))
-        dist.init_process_group("gloo", store=store, rank=ctx.rank, world_size=ctx.world_size,
-                                timeout=timedelta(seconds=120))
+        store = dist.TCPStore(
+            "127.0.0.1", port, ctx.world_size, is_master=False, timeout=timedelta(seconds=60)
+        )
+        dist.init_process_group(
+            "gloo", store=store, rank=ctx.rank, world_size=ctx.world_size, timeout=timedelta(seconds=120)
+        )
         try:
             result = fn(ctx, *args)
         finally:
@@ -100,7 +106,11 @@ def run_local(
             try:
                 rank, ok, value = out.get(timeout=min(left, 1.0))
             except queue.Empty:
-                dead = [i for i, p in enumerate(procs) if not p.is_alive() and i not in results and i not in errors]
+                dead = [
+                    i
+                    for i, p in enumerate(procs)
+                    if not p.is_alive() and i not in results and i not in errors
+                ]
                 for i in dead:
                     if procs[i].exitcode not in (0, None):
                         errors[i] = f"rank {i} exited with code {procs[i].exitcode}"
@@ -122,4 +132,3 @@ def run_local(
         first = min(errors)
         raise LaunchError(f"rank {first} failed:\n{errors[first]}")
     return [results[r] for r in range(world)]
-

@@ -128,7 +128,9 @@ def make_model(cfg: DecoderConfig | None = None, seed: int = 0) -> TinyDecoder:
         return TinyDecoder(cfg)
 
 
-def synthetic_batch(cfg: DecoderConfig, *, step: int, rank: int, batch: int, seed: int = 0) -> dict[str, torch.Tensor]:
+def synthetic_batch(
+    cfg: DecoderConfig, *, step: int, rank: int, batch: int, seed: int = 0
+) -> dict[str, torch.Tensor]:
     """The batch of ``rank`` at ``step``: a learnable pattern (each token predicts the next by a
     fixed affine rule with noise), reproducible from its arguments alone."""
     gen = torch.Generator().manual_seed((seed * 1_000_003 + step) * 4099 + rank)

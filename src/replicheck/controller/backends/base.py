@@ -5,8 +5,9 @@ idempotent: a backend observes before it acts, so repeating a call whose result 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Protocol, Sequence
+from typing import Any, Protocol
 
 from replicheck.controller.errors import PermanentBackendError
 

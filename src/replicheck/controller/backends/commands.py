@@ -5,21 +5,32 @@ from __future__ import annotations
 
 import os
 import subprocess
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 from replicheck.controller.errors import PermanentBackendError, TransientBackendError
 
 # Substrings of Slurm client errors that a retry can cure (controller restarting, network).
 TRANSIENT_MARKERS = (
-    "unable to contact slurm controller", "connection refused", "socket timed out",
-    "zero bytes were transmitted", "communication connection failure", "temporarily unavailable",
-    "in standby mode", "connection reset", "timed out",
+    "unable to contact slurm controller",
+    "connection refused",
+    "socket timed out",
+    "zero bytes were transmitted",
+    "communication connection failure",
+    "temporarily unavailable",
+    "in standby mode",
+    "connection reset",
+    "timed out",
 )
 # Errors that will not change by asking again.
 PERMANENT_MARKERS = (
-    "invalid node name", "invalid job id", "access/permission denied", "permission denied",
-    "invalid node state", "unrecognized option", "invalid user",
+    "invalid node name",
+    "invalid job id",
+    "access/permission denied",
+    "permission denied",
+    "invalid node state",
+    "unrecognized option",
+    "invalid user",
 )
 
 
@@ -43,8 +54,15 @@ class CommandRunner:
         args = tuple(argv)
         env = {**os.environ, **self._env}
         try:
-            proc = subprocess.run(args, capture_output=True, text=True, timeout=self._timeout, env=env,
-                                  check=False, stdin=subprocess.DEVNULL)
+            proc = subprocess.run(
+                args,
+                capture_output=True,
+                text=True,
+                timeout=self._timeout,
+                env=env,
+                check=False,
+                stdin=subprocess.DEVNULL,
+            )
         except FileNotFoundError as exc:
             raise PermanentBackendError(f"command not found: {args[0]}") from exc
         except PermissionError as exc:

@@ -16,8 +16,9 @@ says the same, so a controller killed after the request and restarted sends no s
 from __future__ import annotations
 
 import datetime as _dt
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 from replicheck.controller.backends.base import Backend, NodeInfo, ResumeRequest, validate_node_name
 from replicheck.controller.backends.extras import missing_extra
@@ -28,11 +29,28 @@ BATCH_LIMIT = 25
 """Most node ids one BatchReplaceClusterNodes / BatchRebootClusterNodes call takes."""
 ACTIONS = ("replace", "reboot")
 ORCHESTRATORS = ("none", "slurm", "kubernetes")
-_TRANSIENT_CODES = {"Throttling", "ThrottlingException", "TooManyRequestsException", "RequestLimitExceeded",
-                    "ServiceUnavailable", "InternalFailure", "InternalServerError", "RequestTimeout",
-                    "RequestTimeoutException", "ProvisionedThroughputExceededException"}
-_BUSY = frozenset({"Pending", "ShuttingDown", "SystemUpdating", "DeepHealthCheckInProgress", "DetachInProgress",
-                   "AttachInProgress"})
+_TRANSIENT_CODES = {
+    "Throttling",
+    "ThrottlingException",
+    "TooManyRequestsException",
+    "RequestLimitExceeded",
+    "ServiceUnavailable",
+    "InternalFailure",
+    "InternalServerError",
+    "RequestTimeout",
+    "RequestTimeoutException",
+    "ProvisionedThroughputExceededException",
+}
+_BUSY = frozenset(
+    {
+        "Pending",
+        "ShuttingDown",
+        "SystemUpdating",
+        "DeepHealthCheckInProgress",
+        "DetachInProgress",
+        "AttachInProgress",
+    }
+)
 """Instance statuses that mean a replacement or reboot (or another operation) is under way."""
 
 
@@ -62,7 +80,9 @@ class HyperPodConfig:
         if self.action not in ACTIONS:
             raise ConfigError(f"action must be replace or reboot, got {self.action!r}")
         if self.orchestrator not in ORCHESTRATORS:
-            raise ConfigError(f"orchestrator must be one of {', '.join(ORCHESTRATORS)}, got {self.orchestrator!r}")
+            raise ConfigError(
+                f"orchestrator must be one of {', '.join(ORCHESTRATORS)}, got {self.orchestrator!r}"
+            )
         if self.max_attempts < 1:
             raise ConfigError("max_attempts must be >= 1")
 
@@ -84,8 +104,13 @@ class HyperPodBackend:
 
     name = "hyperpod"
 
-    def __init__(self, config: HyperPodConfig, client: Any = None, orchestrator: Backend | None = None,
-                 clock: Callable[[], _dt.datetime] | None = None) -> None:
+    def __init__(
+        self,
+        config: HyperPodConfig,
+        client: Any = None,
+        orchestrator: Backend | None = None,
+        clock: Callable[[], _dt.datetime] | None = None,
+    ) -> None:
         """``client``: a boto3 ``sagemaker`` client (default: built from ``config``)."""
         if not config.cluster_name:
             raise ConfigError("the hyperpod backend needs cluster_name ([hyperpod] cluster_name = ...)")
@@ -93,12 +118,14 @@ class HyperPodBackend:
         self.cluster = config.cluster_name
         self._client = client if client is not None else _make_client(config)
         self._orchestrator = orchestrator
-        self._clock = clock or (lambda: _dt.datetime.now(_dt.timezone.utc))
+        self._clock = clock or (lambda: _dt.datetime.now(_dt.UTC))
         self._requests: dict[str, _Request] = {}
 
     # --- observation ------------------------------------------------------------------------
 
-    def cluster_nodes(self, group: str | None = None, after: _dt.datetime | None = None) -> list[dict[str, Any]]:
+    def cluster_nodes(
+        self, group: str | None = None, after: _dt.datetime | None = None
+    ) -> list[dict[str, Any]]:
         """Every node summary of the cluster (all pages), optionally of one group / launched after."""
         args: dict[str, Any] = {"ClusterName": self.cluster}
         if group:
@@ -118,8 +145,9 @@ class HyperPodBackend:
         if not matches:
             raise NoSuchInstance(f"no instance of HyperPod cluster {self.cluster} matches {node!r}")
         if len(matches) > 1:
-            raise PermanentBackendError(f"{node!r} matches several instances: "
-                                        f"{', '.join(sorted(s['InstanceId'] for s in matches))}")
+            raise PermanentBackendError(
+                f"{node!r} matches several instances: {', '.join(sorted(s['InstanceId'] for s in matches))}"
+            )
         return matches[0]
 
     def list_nodes(self) -> list[NodeInfo]:
@@ -133,8 +161,13 @@ class HyperPodBackend:
         mine = self.instance(node)
         group, iid = mine["InstanceGroupName"], mine["InstanceId"]
         # The node under the caller's name (it may be an alias), so the last-node rule sees it.
-        return {group: [node if i.extra.get("instance_id") == iid else i.name for i in self.list_nodes()
-                        if group in i.partitions and i.schedulable]}
+        return {
+            group: [
+                node if i.extra.get("instance_id") == iid else i.name
+                for i in self.list_nodes()
+                if group in i.partitions and i.schedulable
+            ]
+        }
 
     # --- delegated to the orchestrator ------------------------------------------------------
 
@@ -152,8 +185,10 @@ class HyperPodBackend:
     def selftest(self, node: str, key: str) -> Mapping[str, Any]:
         if self._orchestrator is not None:
             return self._orchestrator.selftest(node, key)
-        raise PermanentBackendError("orchestrator=none cannot run the self-test: set [hyperpod] orchestrator "
-                                    "or [controller] triage = false")
+        raise PermanentBackendError(
+            "orchestrator=none cannot run the self-test: set [hyperpod] orchestrator "
+            "or [controller] triage = false"
+        )
 
     def resume(self, request: ResumeRequest, key: str) -> Mapping[str, Any]:
         if self._orchestrator is not None:
@@ -174,7 +209,10 @@ class HyperPodBackend:
         if status in _BUSY:
             # Requested before (by us before a restart, or by someone else): when is unknown.
             self._requests.setdefault(node, _Request(iid, group, None))
-            return {"detail": f"{node} ({iid}) is {status}: a {verb} is already under way", "instance_id": iid}
+            return {
+                "detail": f"{node} ({iid}) is {status}: a {verb} is already under way",
+                "instance_id": iid,
+            }
         # Remembered per node (await_return has its own key); the time bounds the replacement's launch.
         self._requests[node] = _Request(iid, group, self._clock())
         failed = self.request([iid])
@@ -182,7 +220,11 @@ class HyperPodBackend:
             code, message = failed[iid]
             if code == "InstanceIdInUse":
                 return {"detail": f"{node} ({iid}): {verb} already under way ({message})", "instance_id": iid}
-            error = TransientBackendError if code in ("InternalServerError", "InvalidInstanceStatus") else PermanentBackendError
+            error = (
+                TransientBackendError
+                if code in ("InternalServerError", "InvalidInstanceStatus")
+                else PermanentBackendError
+            )
             self._requests.pop(node, None)
             raise error(f"{verb} {node} ({iid}) failed: {code}: {message}")
         return {"detail": f"{verb} of {node} ({iid}) requested", "instance_id": iid}
@@ -190,13 +232,15 @@ class HyperPodBackend:
     def request(self, instance_ids: Sequence[str]) -> dict[str, tuple[str, str]]:
         """Replace or reboot ``instance_ids`` in calls of at most 25; returns the failed ones
         as ``{id: (error code, message)}``."""
-        operation = "batch_replace_cluster_nodes" if self.config.action == "replace" else "batch_reboot_cluster_nodes"
+        operation = (
+            "batch_replace_cluster_nodes" if self.config.action == "replace" else "batch_reboot_cluster_nodes"
+        )
         call = getattr(self._client, operation)
         failed: dict[str, tuple[str, str]] = {}
         ids = list(dict.fromkeys(instance_ids))
         for start in range(0, len(ids), BATCH_LIMIT):
-            chunk = ids[start:start + BATCH_LIMIT]
-            answer = _guard(operation, lambda: call(ClusterName=self.cluster, NodeIds=chunk))
+            chunk = ids[start : start + BATCH_LIMIT]
+            answer = _guard(operation, lambda chunk=chunk: call(ClusterName=self.cluster, NodeIds=chunk))
             for entry in answer.get("Failed") or []:
                 failed[entry["NodeId"]] = (entry["ErrorCode"], entry.get("Message", ""))
         return failed
@@ -207,8 +251,11 @@ class HyperPodBackend:
             try:
                 summary = self.instance(node)
             except NoSuchInstance:
-                return {"back": False, "replacement": None,
-                        "detail": f"{node}'s instance is gone; its replacement is not known after a restart"}
+                return {
+                    "back": False,
+                    "replacement": None,
+                    "detail": f"{node}'s instance is gone; its replacement is not known after a restart",
+                }
             req = self._requests[node] = _Request(summary["InstanceId"], summary["InstanceGroupName"], None)
         details = self._describe(req.instance_id)
         if details is None:
@@ -228,25 +275,38 @@ class HyperPodBackend:
 
     def _describe(self, instance_id: str) -> dict[str, Any] | None:
         try:
-            answer = _guard("DescribeClusterNode", lambda: self._client.describe_cluster_node(
-                ClusterName=self.cluster, NodeId=instance_id), not_found_ok=True)
+            answer = _guard(
+                "DescribeClusterNode",
+                lambda: self._client.describe_cluster_node(ClusterName=self.cluster, NodeId=instance_id),
+                not_found_ok=True,
+            )
         except _Gone:
             return None
         return dict(answer.get("NodeDetails") or {})
 
     def _replacement(self, node: str, req: _Request) -> Mapping[str, Any]:
         if req.at is None:
-            return {"back": False, "replacement": None,
-                    "detail": f"{req.instance_id} is gone; its replacement is not known after a restart"}
-        fresh = [s for s in self.cluster_nodes(req.group, after=req.at - _dt.timedelta(seconds=1))
-                 if s["InstanceId"] != req.instance_id and s["InstanceGroupName"] == req.group]
+            return {
+                "back": False,
+                "replacement": None,
+                "detail": f"{req.instance_id} is gone; its replacement is not known after a restart",
+            }
+        fresh = [
+            s
+            for s in self.cluster_nodes(req.group, after=req.at - _dt.timedelta(seconds=1))
+            if s["InstanceId"] != req.instance_id and s["InstanceGroupName"] == req.group
+        ]
         running = [s for s in fresh if s["InstanceStatus"]["Status"] == "Running"]
         if not running:
             raise NotYet(f"{req.instance_id} is gone; its replacement in {req.group} is not Running yet")
         new = sorted(running, key=lambda s: str(s.get("LaunchTime")))[-1]
         name = _display_name(new)
-        return {"back": False, "replacement": name, "instance_id": new["InstanceId"],
-                "detail": f"{node} ({req.instance_id}) replaced by {name} ({new['InstanceId']})"}
+        return {
+            "back": False,
+            "replacement": name,
+            "instance_id": new["InstanceId"],
+            "detail": f"{node} ({req.instance_id}) replaced by {name} ({new['InstanceId']})",
+        }
 
 
 class _Gone(Exception):
@@ -270,7 +330,10 @@ def _guard(operation: str, fn: Any, not_found_ok: bool = False) -> Any:
         message = str(exc.response.get("Error", {}).get("Message", exc))
         if code == "ResourceNotFound" and not_found_ok:
             raise _Gone() from exc
-        if code in _TRANSIENT_CODES or exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) >= 500:
+        if (
+            code in _TRANSIENT_CODES
+            or exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) >= 500
+        ):
             raise TransientBackendError(f"{operation}: {code}: {message}") from exc
         raise PermanentBackendError(f"{operation}: {code}: {message}") from exc
     except ParamValidationError as exc:
@@ -288,8 +351,9 @@ def _make_client(config: HyperPodConfig) -> Any:
     except ImportError as exc:
         raise missing_extra("hyperpod backend", "boto3", EXTRA) from exc
     session = boto3.session.Session(profile_name=config.profile, region_name=config.region)
-    return session.client("sagemaker", config=Config(retries={"max_attempts": config.max_attempts,
-                                                               "mode": "standard"}))
+    return session.client(
+        "sagemaker", config=Config(retries={"max_attempts": config.max_attempts, "mode": "standard"})
+    )
 
 
 def _aliases(summary: Mapping[str, Any]) -> set[str]:
@@ -308,10 +372,14 @@ def _display_name(summary: Mapping[str, Any]) -> str:
 
 def _info(summary: Mapping[str, Any]) -> NodeInfo:
     status = summary["InstanceStatus"]["Status"]
-    return NodeInfo(name=_display_name(summary), state=status,
-                    reason=str(summary["InstanceStatus"].get("Message", "")),
-                    partitions=(str(summary["InstanceGroupName"]),), schedulable=status == "Running",
-                    extra={"instance_id": summary["InstanceId"], "instance_type": summary.get("InstanceType")})
+    return NodeInfo(
+        name=_display_name(summary),
+        state=status,
+        reason=str(summary["InstanceStatus"].get("Message", "")),
+        partitions=(str(summary["InstanceGroupName"]),),
+        schedulable=status == "Running",
+        extra={"instance_id": summary["InstanceId"], "instance_type": summary.get("InstanceType")},
+    )
 
 
 __all__ = ["BATCH_LIMIT", "HyperPodBackend", "HyperPodConfig"]

@@ -9,7 +9,8 @@ exactly what the API server sent and does not depend on the client's model class
 from __future__ import annotations
 
 import json
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from replicheck.controller.backends.extras import missing_extra
 from replicheck.controller.errors import PermanentBackendError, TransientBackendError
@@ -62,31 +63,46 @@ class KubeApi:
 
     def pods_named(self, name: str) -> list[dict[str, Any]]:
         """Pods of any namespace called ``name`` (a training rank's host name is its pod name)."""
-        data = self._json("pods", self._core.list_pod_for_all_namespaces, field_selector=f"metadata.name={name}")
+        data = self._json(
+            "pods", self._core.list_pod_for_all_namespaces, field_selector=f"metadata.name={name}"
+        )
         return list(data.get("items") or [])
 
     def job_pods(self, namespace: str, job: str) -> list[dict[str, Any]]:
-        data = self._json(f"pods of job {job}", self._core.list_namespaced_pod, namespace,
-                          label_selector=f"job-name={job}")
+        data = self._json(
+            f"pods of job {job}", self._core.list_namespaced_pod, namespace, label_selector=f"job-name={job}"
+        )
         return list(data.get("items") or [])
 
     def pod_log(self, namespace: str, pod: str) -> str:
         return self._call(f"log of pod {pod}", self._core.read_namespaced_pod_log, pod, namespace).decode(
-            "utf-8", "replace")
+            "utf-8", "replace"
+        )
 
     def read_job(self, namespace: str, name: str) -> dict[str, Any]:
         return self._json(f"job {namespace}/{name}", self._batch.read_namespaced_job, name, namespace)
 
     def create_job(self, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
         name = body.get("metadata", {}).get("name")
-        return self._json(f"job {namespace}/{name}", self._batch.create_namespaced_job, namespace, body,
-                          _headers={"Content-Type": JSON})
+        return self._json(
+            f"job {namespace}/{name}",
+            self._batch.create_namespaced_job,
+            namespace,
+            body,
+            _headers={"Content-Type": JSON},
+        )
 
     def delete_job(self, namespace: str, name: str) -> None:
         """Delete a Job and (in the background) its pods; a Job already gone is fine."""
         try:
-            self._call(f"job {namespace}/{name}", self._batch.delete_namespaced_job, name, namespace,
-                       body={"propagationPolicy": "Background"}, _headers={"Content-Type": JSON})
+            self._call(
+                f"job {namespace}/{name}",
+                self._batch.delete_namespaced_job,
+                name,
+                namespace,
+                body={"propagationPolicy": "Background"},
+                _headers={"Content-Type": JSON},
+            )
         except KubeNotFound:
             pass
 

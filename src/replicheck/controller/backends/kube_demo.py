@@ -16,8 +16,9 @@ import datetime as _dt
 import json
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from replicheck.controller.backends.kube_fake import FakeApiServer, Request, make_node
 from replicheck.controller.backends.kubernetes import KubernetesBackend, KubernetesConfig
@@ -27,31 +28,49 @@ from replicheck.controller.model import State, Transition
 from replicheck.incident import Incident, NodeIdentity, Suspect, make_incident_id
 
 TRAINING_JOB: dict[str, Any] = {
-    "apiVersion": "batch/v1", "kind": "Job",
+    "apiVersion": "batch/v1",
+    "kind": "Job",
     "metadata": {"name": "llm", "labels": {"app": "llm"}},
-    "spec": {"backoffLimit": 0, "template": {"metadata": {"labels": {"app": "llm"}}, "spec": {
-        "restartPolicy": "Never", "containers": [{"name": "train", "image": "trainer:1"}]}}},
+    "spec": {
+        "backoffLimit": 0,
+        "template": {
+            "metadata": {"labels": {"app": "llm"}},
+            "spec": {"restartPolicy": "Never", "containers": [{"name": "train", "image": "trainer:1"}]},
+        },
+    },
 }
 
 
 def demo_incident() -> Incident:
     """Ranks 2 and 3 (on n2 and n3) disagree and a majority cannot say which is wrong."""
-    ranks = tuple(Suspect(rank=r, node=NodeIdentity(name=n, hostname=n, k8s_node=n)) for r, n in ((2, "n2"), (3, "n3")))
-    return Incident(id=make_incident_id("ml/llm", 1200, "replay"), job_id="ml/llm", step=1200, check="replay",
-                    suspect_ranks=(), suspect_nodes=("n2", "n3"), classification="ambiguous", candidates=ranks,
-                    recommended_checkpoint={"step": 1000, "path": "/fsx/ckpt/step-1000"}, world_size=8,
-                    last_verified_step=1000)
+    ranks = tuple(
+        Suspect(rank=r, node=NodeIdentity(name=n, hostname=n, k8s_node=n)) for r, n in ((2, "n2"), (3, "n3"))
+    )
+    return Incident(
+        id=make_incident_id("ml/llm", 1200, "replay"),
+        job_id="ml/llm",
+        step=1200,
+        check="replay",
+        suspect_ranks=(),
+        suspect_nodes=("n2", "n3"),
+        classification="ambiguous",
+        candidates=ranks,
+        recommended_checkpoint={"step": 1000, "path": "/fsx/ckpt/step-1000"},
+        world_size=8,
+        last_verified_step=1000,
+    )
 
 
 def play(db: Path, *, show_bodies: bool = False, out: Any = None) -> dict[str, Any]:
     """Run the whole story, printing to ``out`` (default: stdout); returns a summary (final
     state, request counts, every request) for tests."""
     out = out if out is not None else sys.stdout
+
     def fingerprint(job: dict[str, Any]) -> tuple[bool, str]:
         node = job["metadata"]["annotations"]["replicheck.io/node"]
         return True, json.dumps({"node": node, "fingerprint": "9f1c" if node == "n2" else "4ab0"})
 
-    now = [_dt.datetime.now(_dt.timezone.utc)]
+    now = [_dt.datetime.now(_dt.UTC)]
 
     def clock() -> _dt.datetime:
         return now[0]
@@ -60,8 +79,10 @@ def play(db: Path, *, show_bodies: bool = False, out: Any = None) -> dict[str, A
         for name in ("n1", "n2", "n3", "n4"):
             server.add_node(make_node(name, group="workers"))
         server.add_job("ml", TRAINING_JOB)
-        backend = KubernetesBackend(KubernetesConfig(host=server.url, resume_mode="recreate",
-                                                     triage_image="replicheck:demo"), clock=clock)
+        backend = KubernetesBackend(
+            KubernetesConfig(host=server.url, resume_mode="recreate", triage_image="replicheck:demo"),
+            clock=clock,
+        )
         config = ControllerConfig(apply=True, return_poll_s=0, poll_interval_s=0)
         shown = 0
 
@@ -77,8 +98,10 @@ def play(db: Path, *, show_bodies: bool = False, out: Any = None) -> dict[str, A
 
         with Controller(db, backend=backend, config=config, on_transition=said, clock=clock) as ctl:
             incident = demo_incident()
-            print(f"incident {incident.id}: {incident.classification}, nodes {', '.join(incident.suspect_nodes)}",
-                  file=out)
+            print(
+                f"incident {incident.id}: {incident.classification}, nodes {', '.join(incident.suspect_nodes)}",
+                file=out,
+            )
             ctl.ingest(incident)
             _settle(ctl, incident.id, flush)
             print("approve (alice)", file=out)
@@ -94,9 +117,16 @@ def play(db: Path, *, show_bodies: bool = False, out: Any = None) -> dict[str, A
         for req in server.requests:
             counts[req.method] = counts.get(req.method, 0) + 1
         print(f"final state: {state.value}; requests: {json.dumps(counts, sort_keys=True)}", file=out)
-        return {"state": state.value, "requests": counts, "log": list(server.requests),
-                "replace_patches": sum(1 for r in server.requests if r.method == "PATCH" and
-                                       "UnschedulablePendingReplacement" in json.dumps(r.body))}
+        return {
+            "state": state.value,
+            "requests": counts,
+            "log": list(server.requests),
+            "replace_patches": sum(
+                1
+                for r in server.requests
+                if r.method == "PATCH" and "UnschedulablePendingReplacement" in json.dumps(r.body)
+            ),
+        }
 
 
 def _settle(ctl: Controller, incident_id: str, flush: Any, rounds: int = 12) -> None:
@@ -125,8 +155,10 @@ def _describe(req: Request, show_bodies: bool) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m replicheck.controller.backends.kube_demo",
-                                     description="the recovery story against a local fake Kubernetes API server")
+    parser = argparse.ArgumentParser(
+        prog="python -m replicheck.controller.backends.kube_demo",
+        description="the recovery story against a local fake Kubernetes API server",
+    )
     parser.add_argument("--db", help="controller database (default: a temporary file)")
     parser.add_argument("--bodies", action="store_true", help="also print POST/DELETE bodies (Jobs)")
     args = parser.parse_args(argv)

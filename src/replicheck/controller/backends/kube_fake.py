@@ -15,9 +15,10 @@ import datetime as _dt
 import json
 import re
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable
+from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
 MERGE_PATCH = "application/merge-patch+json"
@@ -58,9 +59,17 @@ class FakeCluster:
     version: int = 100
 
 
-def make_node(name: str, *, group: str | None = None, ready: bool = True, hostname: str | None = None,
-              labels: dict[str, str] | None = None, taints: list[dict[str, Any]] | None = None,
-              unschedulable: bool = False, internal_dns: str | None = None) -> dict[str, Any]:
+def make_node(
+    name: str,
+    *,
+    group: str | None = None,
+    ready: bool = True,
+    hostname: str | None = None,
+    labels: dict[str, str] | None = None,
+    taints: list[dict[str, Any]] | None = None,
+    unschedulable: bool = False,
+    internal_dns: str | None = None,
+) -> dict[str, Any]:
     """A Node object shaped like the API server's."""
     node_labels = {"kubernetes.io/hostname": hostname or name, **(labels or {})}
     if group is not None:
@@ -74,11 +83,14 @@ def make_node(name: str, *, group: str | None = None, ready: bool = True, hostna
     if taints:
         spec["taints"] = list(taints)
     return {
-        "apiVersion": "v1", "kind": "Node",
+        "apiVersion": "v1",
+        "kind": "Node",
         "metadata": {"name": name, "uid": f"uid-{name}", "labels": node_labels, "annotations": {}},
         "spec": spec,
-        "status": {"conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
-                   "addresses": addresses},
+        "status": {
+            "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+            "addresses": addresses,
+        },
     }
 
 
@@ -98,10 +110,15 @@ def merge_patch(target: Any, patch: Any) -> Any:
 class FakeApiServer:
     """The HTTP server. Use as a context manager; ``url`` is its address."""
 
-    def __init__(self, *, job_runner: JobRunner | None = None, token: str | None = None,
-                 clock: Callable[[], _dt.datetime] | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        job_runner: JobRunner | None = None,
+        token: str | None = None,
+        clock: Callable[[], _dt.datetime] | None = None,
+    ) -> None:
         self.cluster = FakeCluster()
-        self.clock = clock or (lambda: _dt.datetime.now(_dt.timezone.utc))
+        self.clock = clock or (lambda: _dt.datetime.now(_dt.UTC))
         """Time stamped on created objects (share the controller's clock in tests)."""
         self.requests: list[Request] = []
         self.token = token
@@ -160,8 +177,14 @@ class FakeApiServer:
         with self._lock:
             self.cluster.nodes.pop(name, None)
 
-    def fail(self, method: str, path_regex: str, status: int, times: int = 1,
-             before: Callable[[], None] | None = None) -> None:
+    def fail(
+        self,
+        method: str,
+        path_regex: str,
+        status: int,
+        times: int = 1,
+        before: Callable[[], None] | None = None,
+    ) -> None:
         """Answer the next ``times`` matching requests with ``status``; ``before`` runs first
         (with status 0 the request is then served normally: a concurrent change, for example)."""
         with self._lock:
@@ -191,8 +214,13 @@ class FakeApiServer:
                     body = json.loads(raw) if raw else None
                 except ValueError:
                     body = raw.decode("utf-8", "replace")
-                req = Request(self.command, parts.path, dict(parse_qsl(parts.query)),
-                              self.headers.get("Content-Type"), body)
+                req = Request(
+                    self.command,
+                    parts.path,
+                    dict(parse_qsl(parts.query)),
+                    self.headers.get("Content-Type"),
+                    body,
+                )
                 status, payload = server._dispatch(req, self.headers.get("Authorization"))
                 data = payload.encode() if isinstance(payload, str) else json.dumps(payload).encode()
                 self.send_response(status)
@@ -217,8 +245,11 @@ class FakeApiServer:
                     if fault.before is not None:
                         fault.before()
                     if fault.status != 0:
-                        return _status(fault.status, _REASONS.get(fault.status, "InternalError"),
-                                       f"injected {fault.status}")
+                        return _status(
+                            fault.status,
+                            _REASONS.get(fault.status, "InternalError"),
+                            f"injected {fault.status}",
+                        )
             return self._route(req)
 
     def _route(self, req: Request) -> tuple[int, Any]:
@@ -258,13 +289,19 @@ class FakeApiServer:
         if req.content_type != MERGE_PATCH:
             # The real server accepts other patch types; this one implements merge patch only,
             # so anything else is a client bug worth failing loudly on.
-            return _status(415, "UnsupportedMediaType", f"fake server only takes {MERGE_PATCH}, got {req.content_type}")
+            return _status(
+                415, "UnsupportedMediaType", f"fake server only takes {MERGE_PATCH}, got {req.content_type}"
+            )
         if not isinstance(req.body, dict):
             return _status(400, "BadRequest", "patch body must be a JSON object")
         wanted = (req.body.get("metadata") or {}).get("resourceVersion")
         if wanted is not None and wanted != node["metadata"]["resourceVersion"]:
-            return _status(409, "Conflict", f'Operation cannot be fulfilled on nodes "{name}": the object '
-                                            "has been modified; please apply your changes to the latest version and try again")
+            return _status(
+                409,
+                "Conflict",
+                f'Operation cannot be fulfilled on nodes "{name}": the object '
+                "has been modified; please apply your changes to the latest version and try again",
+            )
         patched = merge_patch(node, req.body)
         self.cluster.version += 1
         patched["metadata"]["resourceVersion"] = str(self.cluster.version)
@@ -274,7 +311,11 @@ class FakeApiServer:
     def _create_job(self, namespace: str, req: Request) -> tuple[int, Any]:
         job = req.body
         if req.content_type != "application/json":
-            return _status(415, "UnsupportedMediaType", f"fake server only takes application/json, got {req.content_type}")
+            return _status(
+                415,
+                "UnsupportedMediaType",
+                f"fake server only takes application/json, got {req.content_type}",
+            )
         if not isinstance(job, dict) or not isinstance(job.get("metadata"), dict):
             return _status(400, "BadRequest", "job body must be an object with metadata")
         name = job["metadata"].get("name")
@@ -284,8 +325,12 @@ class FakeApiServer:
             return _status(409, "AlreadyExists", f'jobs.batch "{name}" already exists')
         job = copy.deepcopy(job)
         self.cluster.version += 1
-        job["metadata"].update(namespace=namespace, uid=f"uid-job-{name}", resourceVersion=str(self.cluster.version),
-                               creationTimestamp=_stamp(self.clock()))
+        job["metadata"].update(
+            namespace=namespace,
+            uid=f"uid-job-{name}",
+            resourceVersion=str(self.cluster.version),
+            creationTimestamp=_stamp(self.clock()),
+        )
         job["status"] = {"active": 1}
         self.cluster.jobs[(namespace, name)] = job
         self._polls[(namespace, name)] = self.job_polls_until_done
@@ -298,8 +343,11 @@ class FakeApiServer:
             return _status(404, "NotFound", f'jobs.batch "{name}" not found')
         if req.method == "DELETE":
             del self.cluster.jobs[key]
-            for pod_key in [k for k, pod in self.cluster.pods.items()
-                            if k[0] == namespace and pod["metadata"]["labels"].get("job-name") == name]:
+            for pod_key in [
+                k
+                for k, pod in self.cluster.pods.items()
+                if k[0] == namespace and pod["metadata"]["labels"].get("job-name") == name
+            ]:
                 del self.cluster.pods[pod_key]
                 self.cluster.logs.pop(pod_key, None)
             return 200, {"kind": "Status", "apiVersion": "v1", "status": "Success"}
@@ -317,10 +365,16 @@ class FakeApiServer:
         labels = {"job-name": name, "batch.kubernetes.io/job-name": name}
         pod_spec = job["spec"]["template"]["spec"]
         self.cluster.pods[(namespace, pod_name)] = {
-            "apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": pod_name, "namespace": namespace, "labels": labels,
-                         "creationTimestamp": "2025-01-01T00:00:01Z"},
-            "spec": copy.deepcopy(pod_spec), "status": {"phase": "Succeeded" if ok else "Failed"},
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": pod_name,
+                "namespace": namespace,
+                "labels": labels,
+                "creationTimestamp": "2025-01-01T00:00:01Z",
+            },
+            "spec": copy.deepcopy(pod_spec),
+            "status": {"phase": "Succeeded" if ok else "Failed"},
         }
         self.cluster.logs[(namespace, pod_name)] = log
         job["status"] = {"succeeded": 1} if ok else {"failed": 1}
@@ -344,9 +398,12 @@ class FakeApiServer:
         """A running pod (e.g. a training rank) on ``node_name``."""
         with self._lock:
             self.cluster.pods[(namespace, name)] = {
-                "apiVersion": "v1", "kind": "Pod",
+                "apiVersion": "v1",
+                "kind": "Pod",
                 "metadata": {"name": name, "namespace": namespace, "labels": {}},
-                "spec": {"nodeName": node_name}, "status": {"phase": "Running"}}
+                "spec": {"nodeName": node_name},
+                "status": {"phase": "Running"},
+            }
 
     def add_job(self, namespace: str, job: dict[str, Any]) -> None:
         """A Job created by someone else (e.g. the training job the controller resumes)."""
@@ -357,21 +414,41 @@ class FakeApiServer:
             self._polls[(namespace, job["metadata"]["name"])] = 10**9
 
 
-_REASONS = {400: "BadRequest", 401: "Unauthorized", 403: "Forbidden", 404: "NotFound", 409: "Conflict",
-            422: "Invalid", 429: "TooManyRequests", 500: "InternalError", 503: "ServiceUnavailable",
-            504: "Timeout"}
+_REASONS = {
+    400: "BadRequest",
+    401: "Unauthorized",
+    403: "Forbidden",
+    404: "NotFound",
+    409: "Conflict",
+    422: "Invalid",
+    429: "TooManyRequests",
+    500: "InternalError",
+    503: "ServiceUnavailable",
+    504: "Timeout",
+}
 
 
 def _stamp(when: _dt.datetime) -> str:
     """The API server's timestamp format: RFC 3339, whole seconds, UTC."""
-    return when.astimezone(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return when.astimezone(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _status(code: int, reason: str, message: str) -> tuple[int, Any]:
-    return code, {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
-                  "message": message, "reason": reason, "code": code}
+    return code, {
+        "kind": "Status",
+        "apiVersion": "v1",
+        "metadata": {},
+        "status": "Failure",
+        "message": message,
+        "reason": reason,
+        "code": code,
+    }
 
 
 def _list(kind: str, items: list[dict[str, Any]], version: str) -> dict[str, Any]:
-    return {"kind": kind, "apiVersion": "v1", "metadata": {"resourceVersion": version},
-            "items": [copy.deepcopy(i) for i in items]}
+    return {
+        "kind": kind,
+        "apiVersion": "v1",
+        "metadata": {"resourceVersion": version},
+        "items": [copy.deepcopy(i) for i in items],
+    }

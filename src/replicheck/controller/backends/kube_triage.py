@@ -8,7 +8,8 @@ import copy
 import datetime as _dt
 import hashlib
 import json
-from typing import TYPE_CHECKING, Any, Mapping
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from replicheck.controller.backends.base import ResumeRequest
 from replicheck.controller.backends.kube_api import KubeApi, KubeConflict, KubeNotFound
@@ -19,8 +20,12 @@ if TYPE_CHECKING:
 
 APP_LABEL = "app.kubernetes.io/name"
 KEY_ANNOTATION = "replicheck.io/action-key"
-_CONTROLLER_LABELS = ("controller-uid", "batch.kubernetes.io/controller-uid", "job-name",
-                      "batch.kubernetes.io/job-name")
+_CONTROLLER_LABELS = (
+    "controller-uid",
+    "batch.kubernetes.io/controller-uid",
+    "job-name",
+    "batch.kubernetes.io/job-name",
+)
 GRACE_S = 120
 """Extra time past activeDeadlineSeconds before a Job without a result counts as lost."""
 
@@ -35,14 +40,24 @@ def selftest_job(config: KubernetesConfig, node: Mapping[str, Any], name: str, k
     """A one-pod Job running the self-test on ``node`` only, tolerating our cordon."""
     node_name = str(node["metadata"]["name"])
     labels = {APP_LABEL: "replicheck-selftest"}
-    container: dict[str, Any] = {"name": "selftest", "image": config.triage_image,
-                                 "command": [*config.triage_command, "--node", node_name]}
+    container: dict[str, Any] = {
+        "name": "selftest",
+        "image": config.triage_image,
+        "command": [*config.triage_command, "--node", node_name],
+    }
     if config.triage_gpu_resource:
         container["resources"] = {"limits": {config.triage_gpu_resource: "1"}}
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",
-        "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
-            {"matchFields": [{"key": "metadata.name", "operator": "In", "values": [node_name]}]}]}}},
+        "affinity": {
+            "nodeAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": {
+                    "nodeSelectorTerms": [
+                        {"matchFields": [{"key": "metadata.name", "operator": "In", "values": [node_name]}]}
+                    ]
+                }
+            }
+        },
         "tolerations": [
             {"key": config.taint_key, "operator": "Exists", "effect": "NoSchedule"},
             {"key": "node.kubernetes.io/unschedulable", "operator": "Exists", "effect": "NoSchedule"},
@@ -55,22 +70,37 @@ def selftest_job(config: KubernetesConfig, node: Mapping[str, Any], name: str, k
     if config.triage_service_account:
         pod_spec["serviceAccountName"] = config.triage_service_account
     return {
-        "apiVersion": "batch/v1", "kind": "Job",
-        "metadata": {"name": name, "labels": labels,
-                     "annotations": {KEY_ANNOTATION: key, "replicheck.io/node": node_name}},
-        "spec": {"backoffLimit": 0, "activeDeadlineSeconds": int(config.triage_timeout_s),
-                 "ttlSecondsAfterFinished": 3600,
-                 "template": {"metadata": {"labels": labels}, "spec": pod_spec}},
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {
+            "name": name,
+            "labels": labels,
+            "annotations": {KEY_ANNOTATION: key, "replicheck.io/node": node_name},
+        },
+        "spec": {
+            "backoffLimit": 0,
+            "activeDeadlineSeconds": int(config.triage_timeout_s),
+            "ttlSecondsAfterFinished": 3600,
+            "template": {"metadata": {"labels": labels}, "spec": pod_spec},
+        },
     }
 
 
-def run(api: KubeApi, config: KubernetesConfig, suspect: Mapping[str, Any], reference: Mapping[str, Any],
-        key: str, now: _dt.datetime) -> Mapping[str, Any]:
+def run(
+    api: KubeApi,
+    config: KubernetesConfig,
+    suspect: Mapping[str, Any],
+    reference: Mapping[str, Any],
+    key: str,
+    now: _dt.datetime,
+) -> Mapping[str, Any]:
     """Self-test ``suspect`` and ``reference`` as two Jobs; NotYet until both finished, then
     compare fingerprints and delete the Jobs."""
     ns = config.triage_namespace
-    jobs = {role: (job_name("replicheck-selftest", key, role), node)
-            for role, node in (("suspect", suspect), ("reference", reference))}
+    jobs = {
+        role: (job_name("replicheck-selftest", key, role), node)
+        for role, node in (("suspect", suspect), ("reference", reference))
+    }
     states = {}
     for role, (name, node) in jobs.items():
         states[role] = _ensure(api, ns, selftest_job(config, node, name, key))
@@ -79,8 +109,10 @@ def run(api: KubeApi, config: KubernetesConfig, suspect: Mapping[str, Any], refe
         started = min(_created(states[r], now) for r in waiting)
         if (now - started).total_seconds() > config.triage_timeout_s + GRACE_S:
             _cleanup(api, ns, [name for name, _ in jobs.values()])
-            raise PermanentBackendError(f"self-test Job(s) {', '.join(jobs[r][0] for r in waiting)} gave no "
-                                        f"result within {config.triage_timeout_s}s")
+            raise PermanentBackendError(
+                f"self-test Job(s) {', '.join(jobs[r][0] for r in waiting)} gave no "
+                f"result within {config.triage_timeout_s}s"
+            )
         raise NotYet("self-test running: " + ", ".join(jobs[r][0] for r in waiting))
     try:
         results = {role: _result(api, ns, name, states[role]) for role, (name, _) in jobs.items()}
@@ -89,8 +121,13 @@ def run(api: KubeApi, config: KubernetesConfig, suspect: Mapping[str, Any], refe
     mine, theirs = results["suspect"]["fingerprint"], results["reference"]["fingerprint"]
     suspect_name, ref_name = str(suspect["metadata"]["name"]), str(reference["metadata"]["name"])
     verdict = "matches" if mine == theirs else "differs from"
-    return {"passed": mine == theirs, "fingerprint": mine, "reference": ref_name, "reference_fingerprint": theirs,
-            "detail": f"{suspect_name}: fingerprint {mine} {verdict} {ref_name}'s {theirs}"}
+    return {
+        "passed": mine == theirs,
+        "fingerprint": mine,
+        "reference": ref_name,
+        "reference_fingerprint": theirs,
+        "detail": f"{suspect_name}: fingerprint {mine} {verdict} {ref_name}'s {theirs}",
+    }
 
 
 def _ensure(api: KubeApi, ns: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -109,8 +146,10 @@ def _finished(job: Mapping[str, Any]) -> bool:
     status = job.get("status") or {}
     if status.get("succeeded") or status.get("failed"):
         return True
-    return any(c.get("type") in ("Complete", "Failed") and c.get("status") == "True"
-               for c in status.get("conditions") or [])
+    return any(
+        c.get("type") in ("Complete", "Failed") and c.get("status") == "True"
+        for c in status.get("conditions") or []
+    )
 
 
 def _created(job: Mapping[str, Any], now: _dt.datetime) -> _dt.datetime:
@@ -132,7 +171,9 @@ def _result(api: KubeApi, ns: str, name: str, job: Mapping[str, Any]) -> dict[st
         if isinstance(data, dict) and isinstance(data.get("fingerprint"), str):
             return data
     state = "failed" if (job.get("status") or {}).get("failed") else "finished"
-    raise PermanentBackendError(f"self-test Job {name} {state} without a result: {log.strip()[-300:] or 'no output'}")
+    raise PermanentBackendError(
+        f"self-test Job {name} {state} without a result: {log.strip()[-300:] or 'no output'}"
+    )
 
 
 def _cleanup(api: KubeApi, ns: str, names: list[str]) -> None:
@@ -143,7 +184,9 @@ def _cleanup(api: KubeApi, ns: str, names: list[str]) -> None:
 # --- resume by re-creating the training Job ---------------------------------------------------
 
 
-def recreate_job(api: KubeApi, config: KubernetesConfig, request: ResumeRequest, key: str) -> Mapping[str, Any]:
+def recreate_job(
+    api: KubeApi, config: KubernetesConfig, request: ResumeRequest, key: str
+) -> Mapping[str, Any]:
     """Create a copy of the training Job that resumes from the checkpoint (once per key)."""
     ns, _, name = request.job_id.rpartition("/")
     ns = ns or config.job_namespace
@@ -156,15 +199,20 @@ def recreate_job(api: KubeApi, config: KubernetesConfig, request: ResumeRequest,
     try:
         old = api.read_job(ns, name)
     except KubeNotFound as exc:
-        raise PermanentBackendError(f"training job {ns}/{name} not found; set resume_mode=job-restart "
-                                    "or name the Job in REPLICHECK_JOB_ID as namespace/name") from exc
+        raise PermanentBackendError(
+            f"training job {ns}/{name} not found; set resume_mode=job-restart "
+            "or name the Job in REPLICHECK_JOB_ID as namespace/name"
+        ) from exc
     body = _resumed_copy(old, new_name, request, key)
     try:
         api.create_job(ns, body)
     except KubeConflict:
         return {"detail": f"already re-created as job {ns}/{new_name}", "job_id": f"{ns}/{new_name}"}
     step = (request.checkpoint or {}).get("step")
-    return {"detail": f"re-created job {ns}/{name} as {new_name} from step {step}", "job_id": f"{ns}/{new_name}"}
+    return {
+        "detail": f"re-created job {ns}/{name} as {new_name} from step {step}",
+        "job_id": f"{ns}/{new_name}",
+    }
 
 
 def _resumed_copy(old: Mapping[str, Any], new_name: str, request: ResumeRequest, key: str) -> dict[str, Any]:
@@ -177,14 +225,25 @@ def _resumed_copy(old: Mapping[str, Any], new_name: str, request: ResumeRequest,
     tmeta = template.setdefault("metadata", {})
     tmeta["labels"] = {k: v for k, v in (tmeta.get("labels") or {}).items() if k not in _CONTROLLER_LABELS}
     ckpt = request.checkpoint or {}
-    env = {"REPLICHECK_RESUME_STEP": str(ckpt.get("step", "")),
-           "REPLICHECK_RESUME_CHECKPOINT": str(ckpt.get("path", ""))}
+    env = {
+        "REPLICHECK_RESUME_STEP": str(ckpt.get("step", "")),
+        "REPLICHECK_RESUME_CHECKPOINT": str(ckpt.get("path", "")),
+    }
     for container in (template.get("spec") or {}).get("containers") or []:
         kept = [e for e in container.get("env") or [] if e.get("name") not in env]
         container["env"] = kept + [{"name": k, "value": v} for k, v in env.items()]
     labels = {k: v for k, v in (meta.get("labels") or {}).items() if k not in _CONTROLLER_LABELS}
-    return {"apiVersion": "batch/v1", "kind": "Job",
-            "metadata": {"name": new_name, "labels": labels,
-                         "annotations": {KEY_ANNOTATION: key, "replicheck.io/resumed-from": str(meta.get("name")),
-                                         "replicheck.io/incident": request.incident_id}},
-            "spec": spec}
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {
+            "name": new_name,
+            "labels": labels,
+            "annotations": {
+                KEY_ANNOTATION: key,
+                "replicheck.io/resumed-from": str(meta.get("name")),
+                "replicheck.io/incident": request.incident_id,
+            },
+        },
+        "spec": spec,
+    }

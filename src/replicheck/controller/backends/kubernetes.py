@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import datetime as _dt
 import hashlib
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 from replicheck.controller.backends import kube_triage
 from replicheck.controller.backends.base import NodeInfo, ResumeRequest, validate_node_name
@@ -98,9 +99,13 @@ class KubernetesConfig:
 
     def __post_init__(self) -> None:
         if self.remediation not in REMEDIATIONS:
-            raise ConfigError(f"remediation must be one of {', '.join(REMEDIATIONS)}, got {self.remediation!r}")
+            raise ConfigError(
+                f"remediation must be one of {', '.join(REMEDIATIONS)}, got {self.remediation!r}"
+            )
         if self.resume_mode not in RESUME_MODES:
-            raise ConfigError(f"resume_mode must be one of {', '.join(RESUME_MODES)}, got {self.resume_mode!r}")
+            raise ConfigError(
+                f"resume_mode must be one of {', '.join(RESUME_MODES)}, got {self.resume_mode!r}"
+            )
         if self.conflict_retries < 1:
             raise ConfigError("conflict_retries must be >= 1")
         if not self.taint_key or "=" in self.taint_key:
@@ -118,13 +123,18 @@ class KubernetesBackend:
 
     name = "kubernetes"
 
-    def __init__(self, config: KubernetesConfig | None = None, api_client: Any = None,
-                 clock: Callable[[], _dt.datetime] | None = None) -> None:
+    def __init__(
+        self,
+        config: KubernetesConfig | None = None,
+        api_client: Any = None,
+        clock: Callable[[], _dt.datetime] | None = None,
+    ) -> None:
         """``api_client``: a ``kubernetes.client.ApiClient`` (default: built from ``config``)."""
         self.config = config or KubernetesConfig()
-        self.api = KubeApi(api_client if api_client is not None else _api_client(self.config),
-                           self.config.request_timeout_s)
-        self._clock = clock or (lambda: _dt.datetime.now(_dt.timezone.utc))
+        self.api = KubeApi(
+            api_client if api_client is not None else _api_client(self.config), self.config.request_timeout_s
+        )
+        self._clock = clock or (lambda: _dt.datetime.now(_dt.UTC))
         self._requested: dict[str, tuple[str, _dt.datetime]] = {}
 
     # --- observation ------------------------------------------------------------------------
@@ -155,8 +165,13 @@ class KubernetesBackend:
         mine, resolved = self._group(obj), _name(obj)
         # Report the node under the name the caller used (a host name may stand for it), so
         # the last-node rule recognises it.
-        return {mine: [node if i.name == resolved else i.name for i in self.list_nodes()
-                       if mine in i.partitions and i.schedulable]}
+        return {
+            mine: [
+                node if i.name == resolved else i.name
+                for i in self.list_nodes()
+                if mine in i.partitions and i.schedulable
+            ]
+        }
 
     # --- node actions -----------------------------------------------------------------------
 
@@ -171,13 +186,22 @@ class KubernetesBackend:
             taints = list(spec.get("taints") or [])
             if not any(t.get("key") == self.config.taint_key for t in taints):
                 added.append("taint")
-                patch_spec["taints"] = taints + [{"key": self.config.taint_key, "value": "true", "effect": "NoSchedule"}]
+                patch_spec["taints"] = taints + [
+                    {"key": self.config.taint_key, "value": "true", "effect": "NoSchedule"}
+                ]
             if not spec.get("unschedulable"):
                 added.append("unschedulable")
                 patch_spec["unschedulable"] = True
-            annotations = {ANN_BY: self.config.actor, ANN_INCIDENT: _incident_of(key),
-                           ANN_AT: utc_iso_us(self._clock()), ANN_REASON: reason, ANN_ADDED: ",".join(added)}
-            body: dict[str, Any] = {"metadata": {"labels": {LABEL_CORDONED: "true"}, "annotations": annotations}}
+            annotations = {
+                ANN_BY: self.config.actor,
+                ANN_INCIDENT: _incident_of(key),
+                ANN_AT: utc_iso_us(self._clock()),
+                ANN_REASON: reason,
+                ANN_ADDED: ",".join(added),
+            }
+            body: dict[str, Any] = {
+                "metadata": {"labels": {LABEL_CORDONED: "true"}, "annotations": annotations}
+            }
             if patch_spec:
                 body["spec"] = patch_spec
             was = "" if "unschedulable" in added else " (it was already unschedulable: left so on uncordon)"
@@ -190,7 +214,9 @@ class KubernetesBackend:
             name, ann = _name(obj), _meta(obj, "annotations")
             if ANN_ADDED not in ann:
                 return None, f"{name} left as is: not cordoned by replicheck"
-            return _uncordon_patch(obj, self.config.taint_key), f"uncordoned {name} (removed {ann[ANN_ADDED] or 'marks'})"
+            return _uncordon_patch(
+                obj, self.config.taint_key
+            ), f"uncordoned {name} (removed {ann[ANN_ADDED] or 'marks'})"
 
         try:
             return self._patch_node(node, change)
@@ -239,7 +265,9 @@ class KubernetesBackend:
         if ANN_REPLACE_KEY in ann or ANN_ADDED in ann:
             # Same Node object, health reset by the remediator (a reboot): lift our cordon so
             # the node takes work again; a new object carries none of our marks.
-            self._patch_node(name, lambda o: (_uncordon_patch(o, self.config.taint_key, replace_marks=True), "lifted"))
+            self._patch_node(
+                name, lambda o: (_uncordon_patch(o, self.config.taint_key, replace_marks=True), "lifted")
+            )
         return {"back": True, "replacement": None, "detail": f"{name} is Ready and schedulable"}
 
     def _remember(self, node: str, obj: dict[str, Any]) -> None:
@@ -254,11 +282,20 @@ class KubernetesBackend:
         of its group created after our request; it joins under a new name."""
         seen = self._requested.get(node)
         if seen is None:
-            return {"back": False, "replacement": None,
-                    "detail": f"{node} was removed; its replacement is not known (controller restarted)"}
+            return {
+                "back": False,
+                "replacement": None,
+                "detail": f"{node} was removed; its replacement is not known (controller restarted)",
+            }
         group, at = seen
-        fresh = [n for n in self.api.list_nodes() if self._group(n) == group and _ready(n)
-                 and (_parse_time(n["metadata"].get("creationTimestamp")) or at) > at and self._info(n).schedulable]
+        fresh = [
+            n
+            for n in self.api.list_nodes()
+            if self._group(n) == group
+            and _ready(n)
+            and (_parse_time(n["metadata"].get("creationTimestamp")) or at) > at
+            and self._info(n).schedulable
+        ]
         if not fresh:
             raise NotYet(f"{node} was removed; waiting for its replacement to join {group}")
         new = _name(max(fresh, key=lambda n: str(n["metadata"].get("creationTimestamp"))))
@@ -273,8 +310,9 @@ class KubernetesBackend:
         where = "labels" if mode == "label" else "annotations"
         return where, self.config.remediation_key, self.config.remediation_value
 
-    def _patch_node(self, node: str, change: Callable[[dict[str, Any]], tuple[dict[str, Any] | None, str]]
-                    ) -> Mapping[str, Any]:
+    def _patch_node(
+        self, node: str, change: Callable[[dict[str, Any]], tuple[dict[str, Any] | None, str]]
+    ) -> Mapping[str, Any]:
         """Read, compute a patch, send it conditional on the read's resourceVersion; on 409 repeat."""
         last: KubeConflict | None = None
         for _ in range(self.config.conflict_retries):
@@ -289,7 +327,9 @@ class KubernetesBackend:
                 last = exc
                 continue
             return {"detail": detail, "node": _name(obj)}
-        raise TransientBackendError(f"{node}: still conflicting after {self.config.conflict_retries} tries: {last}")
+        raise TransientBackendError(
+            f"{node}: still conflicting after {self.config.conflict_retries} tries: {last}"
+        )
 
     # --- triage and resume ------------------------------------------------------------------
 
@@ -311,8 +351,10 @@ class KubernetesBackend:
             return {"detail": "resume_mode=none: the job is not restarted by the controller"}
         if mode == "job-restart":
             kept = ", ".join(request.exclude) or "the replaced nodes"
-            return {"detail": f"job {request.job_id} restarts by its own restart policy; the taint keeps "
-                              f"it off {kept}"}
+            return {
+                "detail": f"job {request.job_id} restarts by its own restart policy; the taint keeps "
+                f"it off {kept}"
+            }
         return kube_triage.recreate_job(self.api, self.config, request, key)
 
     # --- helpers ----------------------------------------------------------------------------
@@ -325,12 +367,24 @@ class KubernetesBackend:
         labels, ann, spec = _meta(obj, "labels"), _meta(obj, "annotations"), obj.get("spec") or {}
         health = labels.get(HEALTH_LABEL, "")
         ours = any(t.get("key") == self.config.taint_key for t in spec.get("taints") or [])
-        schedulable = (_ready(obj) and not spec.get("unschedulable") and not ours
-                       and not health.startswith("Unschedulable"))
-        state = ("Ready" if _ready(obj) else "NotReady") + (",SchedulingDisabled" if spec.get("unschedulable") else "")
+        schedulable = (
+            _ready(obj)
+            and not spec.get("unschedulable")
+            and not ours
+            and not health.startswith("Unschedulable")
+        )
+        state = ("Ready" if _ready(obj) else "NotReady") + (
+            ",SchedulingDisabled" if spec.get("unschedulable") else ""
+        )
         reason = ann.get(ANN_REASON, "") if ANN_ADDED in ann else health
-        return NodeInfo(name=_name(obj), state=state, reason=reason, partitions=(self._group(obj),),
-                        schedulable=schedulable, extra={"health": health, "cordoned_by_us": ANN_ADDED in ann})
+        return NodeInfo(
+            name=_name(obj),
+            state=state,
+            reason=reason,
+            partitions=(self._group(obj),),
+            schedulable=schedulable,
+            extra={"health": health, "cordoned_by_us": ANN_ADDED in ann},
+        )
 
 
 def _uncordon_patch(obj: dict[str, Any], taint_key: str, replace_marks: bool = False) -> dict[str, Any]:
@@ -342,7 +396,9 @@ def _uncordon_patch(obj: dict[str, Any], taint_key: str, replace_marks: bool = F
     if "unschedulable" in added:
         spec["unschedulable"] = None
     drop = CORDON_ANNOTATIONS + ((ANN_REPLACE_KEY, ANN_REPLACE_AT) if replace_marks else ())
-    body: dict[str, Any] = {"metadata": {"labels": {LABEL_CORDONED: None}, "annotations": {a: None for a in drop}}}
+    body: dict[str, Any] = {
+        "metadata": {"labels": {LABEL_CORDONED: None}, "annotations": {a: None for a in drop}}
+    }
     if spec:
         body["spec"] = spec
     return body
@@ -361,8 +417,9 @@ def _api_client(config: KubernetesConfig) -> Any:
                 return k8s.client.ApiClient(conf)
             except k8s.config.ConfigException:
                 pass
-        k8s.config.load_kube_config(config_file=config.kubeconfig, context=config.context,
-                                    client_configuration=conf)
+        k8s.config.load_kube_config(
+            config_file=config.kubeconfig, context=config.context, client_configuration=conf
+        )
     except (k8s.config.ConfigException, OSError) as exc:
         raise ConfigError(f"cannot load Kubernetes credentials: {exc}") from exc
     return k8s.client.ApiClient(conf)

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import json
 import sqlite3
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from replicheck.controller.backends.base import (
     NodeInfo,
@@ -62,12 +63,16 @@ class LocalBackend:
 
     # --- setting up and inspecting the simulation --------------------------------------------
 
-    def add_node(self, name: str, *, partition: str = "main", spare: bool = False, healthy: bool = True) -> None:
+    def add_node(
+        self, name: str, *, partition: str = "main", spare: bool = False, healthy: bool = True
+    ) -> None:
         """Add a node (idempotent): active and idle, or a spare waiting to be swapped in."""
         validate_node_name(name)
-        self._db.execute("INSERT OR IGNORE INTO sim_nodes(name, partition, role, state, healthy) "
-                         "VALUES(?, ?, ?, 'idle', ?)", (name, partition, "spare" if spare else "active",
-                                                        int(healthy)))
+        self._db.execute(
+            "INSERT OR IGNORE INTO sim_nodes(name, partition, role, state, healthy) "
+            "VALUES(?, ?, ?, 'idle', ?)",
+            (name, partition, "spare" if spare else "active", int(healthy)),
+        )
 
     def set_healthy(self, name: str, healthy: bool) -> None:
         """Make the simulated self-test on ``name`` pass or fail."""
@@ -79,17 +84,31 @@ class LocalBackend:
         return {kind: int(n) for kind, n in rows}
 
     def resume_requests(self) -> list[ResumeRecord]:
-        rows = self._db.execute("SELECT incident_id, job_id, checkpoint, exclude, nodes, at "
-                                "FROM sim_resumes ORDER BY at, key")
-        return [ResumeRecord(i, j, None if c is None else json.loads(c), tuple(json.loads(e)),
-                             tuple(json.loads(n)), at) for i, j, c, e, n, at in rows]
+        rows = self._db.execute(
+            "SELECT incident_id, job_id, checkpoint, exclude, nodes, at FROM sim_resumes ORDER BY at, key"
+        )
+        return [
+            ResumeRecord(
+                i, j, None if c is None else json.loads(c), tuple(json.loads(e)), tuple(json.loads(n)), at
+            )
+            for i, j, c, e, n, at in rows
+        ]
 
     def list_nodes(self) -> list[NodeInfo]:
-        rows = self._db.execute("SELECT name, partition, role, state, reason, healthy FROM sim_nodes "
-                                "ORDER BY name")
-        return [NodeInfo(name=n, state=s if role != "spare" else "spare", reason=r, partitions=(p,),
-                         schedulable=(role == "active" and s == "idle"),
-                         extra={"role": role, "healthy": bool(h)}) for n, p, role, s, r, h in rows]
+        rows = self._db.execute(
+            "SELECT name, partition, role, state, reason, healthy FROM sim_nodes ORDER BY name"
+        )
+        return [
+            NodeInfo(
+                name=n,
+                state=s if role != "spare" else "spare",
+                reason=r,
+                partitions=(p,),
+                schedulable=(role == "active" and s == "idle"),
+                extra={"role": role, "healthy": bool(h)},
+            )
+            for n, p, role, s, r, h in rows
+        ]
 
     # --- the Backend protocol ---------------------------------------------------------------
 
@@ -118,18 +137,25 @@ class LocalBackend:
         if done is not None:
             return done
         row = self._node(node)
-        spare = self._db.execute("SELECT name FROM sim_nodes WHERE role='spare' ORDER BY "
-                                 "(partition = ?) DESC, name LIMIT 1", (row["partition"],)).fetchone()
+        spare = self._db.execute(
+            "SELECT name FROM sim_nodes WHERE role='spare' ORDER BY (partition = ?) DESC, name LIMIT 1",
+            (row["partition"],),
+        ).fetchone()
         if spare is None:
             raise PermanentBackendError(f"no spare node left to replace {node}")
         self._db.execute("BEGIN IMMEDIATE")
         try:
-            self._db.execute("UPDATE sim_nodes SET role='retired', state='fail', reason='Action:Replace' "
-                             "WHERE name=?", (node,))
-            self._db.execute("UPDATE sim_nodes SET role='active', state='idle', reason='', partition=? "
-                             "WHERE name=?", (row["partition"], spare[0]))
-            result = self._log(key, "replace", node, {"replacement": spare[0],
-                                                      "detail": f"{spare[0]} swapped in for {node}"})
+            self._db.execute(
+                "UPDATE sim_nodes SET role='retired', state='fail', reason='Action:Replace' WHERE name=?",
+                (node,),
+            )
+            self._db.execute(
+                "UPDATE sim_nodes SET role='active', state='idle', reason='', partition=? WHERE name=?",
+                (row["partition"], spare[0]),
+            )
+            result = self._log(
+                key, "replace", node, {"replacement": spare[0], "detail": f"{spare[0]} swapped in for {node}"}
+            )
             self._db.execute("COMMIT")
         except BaseException:
             self._db.execute("ROLLBACK")
@@ -138,8 +164,9 @@ class LocalBackend:
 
     def await_return(self, node: str, key: str) -> Mapping[str, Any]:
         # A simulated replacement is immediate: a spare took the node's place, the node stays out.
-        row = self._db.execute("SELECT result FROM sim_ops WHERE kind='replace' AND node=? ORDER BY at DESC "
-                               "LIMIT 1", (node,)).fetchone()
+        row = self._db.execute(
+            "SELECT result FROM sim_ops WHERE kind='replace' AND node=? ORDER BY at DESC LIMIT 1", (node,)
+        ).fetchone()
         replacement = json.loads(row[0]).get("replacement") if row else None
         back = self._node(node)["role"] == "active"
         return {"back": back, "replacement": None if back else replacement}
@@ -152,15 +179,24 @@ class LocalBackend:
         now = utc_iso_us()
         self._db.execute("BEGIN IMMEDIATE")
         try:
-            self._db.execute("INSERT INTO sim_resumes(key, incident_id, job_id, checkpoint, exclude, nodes, at) "
-                             "VALUES(?, ?, ?, ?, ?, ?, ?)",
-                             (key, request.incident_id, request.job_id,
-                              None if request.checkpoint is None else json.dumps(dict(request.checkpoint)),
-                              json.dumps(list(request.exclude)), json.dumps(nodes), now))
+            self._db.execute(
+                "INSERT INTO sim_resumes(key, incident_id, job_id, checkpoint, exclude, nodes, at) "
+                "VALUES(?, ?, ?, ?, ?, ?, ?)",
+                (
+                    key,
+                    request.incident_id,
+                    request.job_id,
+                    None if request.checkpoint is None else json.dumps(dict(request.checkpoint)),
+                    json.dumps(list(request.exclude)),
+                    json.dumps(nodes),
+                    now,
+                ),
+            )
             step = (request.checkpoint or {}).get("step")
             detail = f"resume requested from step {step} on {', '.join(nodes)}"
-            result = self._log(key, "resume", None, {"detail": detail, "nodes": nodes,
-                                                     "exclude": list(request.exclude)})
+            result = self._log(
+                key, "resume", None, {"detail": detail, "nodes": nodes, "exclude": list(request.exclude)}
+            )
             self._db.execute("COMMIT")
         except BaseException:
             self._db.execute("ROLLBACK")
@@ -169,16 +205,19 @@ class LocalBackend:
 
     def schedulable_by_partition(self, node: str) -> Mapping[str, Sequence[str]]:
         partition = self._node(node)["partition"]
-        rows = self._db.execute("SELECT name FROM sim_nodes WHERE partition=? AND role='active' AND "
-                                "state='idle' ORDER BY name", (partition,))
+        rows = self._db.execute(
+            "SELECT name FROM sim_nodes WHERE partition=? AND role='active' AND state='idle' ORDER BY name",
+            (partition,),
+        )
         return {partition: [r[0] for r in rows]}
 
     # --- helpers ----------------------------------------------------------------------------
 
     def _node(self, node: str) -> dict[str, Any]:
         validate_node_name(node)
-        row = self._db.execute("SELECT name, partition, role, state, reason, healthy FROM sim_nodes "
-                               "WHERE name=?", (node,)).fetchone()
+        row = self._db.execute(
+            "SELECT name, partition, role, state, reason, healthy FROM sim_nodes WHERE name=?", (node,)
+        ).fetchone()
         if row is None:
             raise PermanentBackendError(f"unknown node {node!r} in the local cluster")
         return dict(zip(("name", "partition", "role", "state", "reason", "healthy"), row))
@@ -187,10 +226,12 @@ class LocalBackend:
         row = self._db.execute("SELECT result FROM sim_ops WHERE key=?", (key,)).fetchone()
         return None if row is None else dict(json.loads(row[0]))
 
-    def _log(self, key: str, kind: str, node: str | None, result: Mapping[str, Any],
-             replace_ok: bool = False) -> Mapping[str, Any]:
+    def _log(
+        self, key: str, kind: str, node: str | None, result: Mapping[str, Any], replace_ok: bool = False
+    ) -> Mapping[str, Any]:
         verb = "INSERT OR REPLACE" if replace_ok else "INSERT OR IGNORE"
-        self._db.execute(f"{verb} INTO sim_ops(key, kind, node, result, at) VALUES(?, ?, ?, ?, ?)",
-                         (key, kind, node, json.dumps(dict(result), sort_keys=True), utc_iso_us()))
+        self._db.execute(
+            f"{verb} INTO sim_ops(key, kind, node, result, at) VALUES(?, ?, ?, ?, ?)",
+            (key, kind, node, json.dumps(dict(result), sort_keys=True), utc_iso_us()),
+        )
         return result
-

@@ -8,8 +8,9 @@ import datetime as _dt
 import json
 import os
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from replicheck.controller.backends.base import (
     NodeInfo,
@@ -26,8 +27,17 @@ _SLURM_JOB_ID = re.compile(r"[0-9]{1,20}")
 _STARTED, _DONE = "/started", "/done"
 """Suffixes of the node ``Extra`` marker around a custom replace command."""
 _UNSCHEDULABLE = ("drain", "fail", "down", "maint", "reboot", "power", "future", "unknown")
-_FINISHED_JOB = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
-                 "PREEMPTED", "BOOT_FAIL", "DEADLINE"}
+_FINISHED_JOB = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "PREEMPTED",
+    "BOOT_FAIL",
+    "DEADLINE",
+}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,7 +63,15 @@ class SlurmConfig:
     """For resume_mode=resubmit: argv template with {job_id} {step} {checkpoint} {exclude} {marker};
     must contain {marker} (e.g. ``--comment={marker}``); an argument with {exclude} is dropped when
     nothing is excluded."""
-    selftest_command: tuple[str, ...] = ("ssh", "-o", "BatchMode=yes", "{node}", "replicheck", "selftest", "--json")
+    selftest_command: tuple[str, ...] = (
+        "ssh",
+        "-o",
+        "BatchMode=yes",
+        "{node}",
+        "replicheck",
+        "selftest",
+        "--json",
+    )
     """argv template running the self-test on ``{node}`` out of band (Slurm starts no work on a
     drained node); it must print the self-test JSON."""
     reference_node: str | None = None
@@ -67,8 +85,10 @@ class SlurmConfig:
             if not self.resubmit_command:
                 raise ConfigError("resume_mode=resubmit needs resubmit_command")
             if not any("{marker}" in a for a in self.resubmit_command):
-                raise ConfigError("resubmit_command must pass {marker} (e.g. --comment={marker}) so a "
-                                  "restarted controller can tell it already resubmitted")
+                raise ConfigError(
+                    "resubmit_command must pass {marker} (e.g. --comment={marker}) so a "
+                    "restarted controller can tell it already resubmitted"
+                )
         if not self.replace_reason:
             raise ConfigError("replace_reason must not be empty")
         if self.reference_node is not None:
@@ -91,8 +111,9 @@ class SlurmBackend:
     # --- observation ------------------------------------------------------------------------
 
     def list_nodes(self) -> list[NodeInfo]:
-        out = self._run.run([self._bin("sinfo"), "--noheader", "--Node", "--format",
-                             _SEP.join(("%N", "%T", "%P", "%E"))]).stdout
+        out = self._run.run(
+            [self._bin("sinfo"), "--noheader", "--Node", "--format", _SEP.join(("%N", "%T", "%P", "%E"))]
+        ).stdout
         merged: dict[str, NodeInfo] = {}
         for line in out.splitlines():
             parts = line.split(_SEP)
@@ -103,8 +124,9 @@ class SlurmBackend:
             reason = "" if reason == "none" else reason
             prev = merged.get(name)
             partitions = (prev.partitions if prev else ()) + (partition,)
-            merged[name] = NodeInfo(name=name, state=state, reason=reason, partitions=partitions,
-                                    schedulable=_schedulable(state))
+            merged[name] = NodeInfo(
+                name=name, state=state, reason=reason, partitions=partitions, schedulable=_schedulable(state)
+            )
         return [merged[n] for n in sorted(merged)]
 
     def node(self, node: str) -> NodeInfo:
@@ -150,9 +172,12 @@ class SlurmBackend:
                 raise PermanentBackendError(
                     f"the replace command for {node} was started before the controller stopped and may "
                     f"have run (Extra={extra}); not repeating it: check the node, then replace it by hand "
-                    "or dismiss the incident")
+                    "or dismiss the incident"
+                )
             self._set_extra(node, marker + _STARTED)
-            argv = [a.replace("{node}", node).replace("{marker}", marker) for a in self.config.replace_command]
+            argv = [
+                a.replace("{node}", node).replace("{marker}", marker) for a in self.config.replace_command
+            ]
             self._run.run(argv)
             self._set_extra(node, marker + _DONE)
             return {"detail": f"replace command run for {node}"}
@@ -165,8 +190,17 @@ class SlurmBackend:
     def node_extra(self, node: str) -> str:
         """The node's ``Extra`` field ("" when unset)."""
         validate_node_name(node)
-        out = self._run.run([self._bin("sinfo"), "--noheader", "--Node", "--nodes", node, "--Format",
-                             f"NodeList:{_SEP},Extra:"]).stdout
+        out = self._run.run(
+            [
+                self._bin("sinfo"),
+                "--noheader",
+                "--Node",
+                "--nodes",
+                node,
+                "--Format",
+                f"NodeList:{_SEP},Extra:",
+            ]
+        ).stdout
         for line in out.splitlines():
             name, sep, extra = line.partition(_SEP)
             if sep and name.strip() == node:
@@ -175,7 +209,9 @@ class SlurmBackend:
         raise PermanentBackendError(f"Slurm knows no node {node!r}")
 
     def _set_extra(self, node: str, value: str) -> None:
-        self._run.run([self._bin("scontrol"), "update", f"nodename={validate_node_name(node)}", f"extra={value}"])
+        self._run.run(
+            [self._bin("scontrol"), "update", f"nodename={validate_node_name(node)}", f"extra={value}"]
+        )
 
     def await_return(self, node: str, key: str) -> Mapping[str, Any]:
         info = self.node(node)
@@ -201,12 +237,16 @@ class SlurmBackend:
         theirs = self._selftest_on(reference)
         passed = mine["fingerprint"] == theirs["fingerprint"]
         verdict = "matches" if passed else "differs from"
-        return {"passed": passed, "fingerprint": mine["fingerprint"], "reference": reference,
-                "reference_fingerprint": theirs["fingerprint"],
-                "detail": f"fingerprint {mine['fingerprint']} {verdict} {reference}'s {theirs['fingerprint']}"}
+        return {
+            "passed": passed,
+            "fingerprint": mine["fingerprint"],
+            "reference": reference,
+            "reference_fingerprint": theirs["fingerprint"],
+            "detail": f"fingerprint {mine['fingerprint']} {verdict} {reference}'s {theirs['fingerprint']}",
+        }
 
     def _pick_reference(self, node: str) -> str:
-        for partition, names in sorted(self.schedulable_by_partition(node).items()):
+        for _partition, names in sorted(self.schedulable_by_partition(node).items()):
             for name in names:
                 if name != node:
                     return name
@@ -221,7 +261,8 @@ class SlurmBackend:
         except (ValueError, IndexError, KeyError, TypeError) as exc:
             raise PermanentBackendError(
                 f"self-test on {node} gave no result (exit {out.returncode}): "
-                f"{(out.stderr or out.stdout).strip()[-300:] or 'no output'}") from exc
+                f"{(out.stderr or out.stdout).strip()[-300:] or 'no output'}"
+            ) from exc
         if not isinstance(data, dict):
             raise PermanentBackendError(f"self-test on {node} printed JSON that is not an object")
         return data
@@ -239,14 +280,26 @@ class SlurmBackend:
 
     def _job(self, job_id: str) -> dict[str, str]:
         # Fixed columns with the free-text comment last: a job name cannot inject a field.
-        out = self._run.run([self._bin("squeue"), "--noheader", f"--jobs={job_id}", "--states=all",
-                             "--format", _SEP.join(("%i", "%T", "%Q", "%r", "%k"))]).stdout
+        out = self._run.run(
+            [
+                self._bin("squeue"),
+                "--noheader",
+                f"--jobs={job_id}",
+                "--states=all",
+                "--format",
+                _SEP.join(("%i", "%T", "%Q", "%r", "%k")),
+            ]
+        ).stdout
         for line in out.splitlines():
             parts = line.split(_SEP, 4)
             if len(parts) == 5 and parts[0].strip() == job_id:
                 comment = parts[4].strip()
-                return {"JobState": parts[1].strip(), "Priority": parts[2].strip(), "Reason": parts[3].strip(),
-                        "Comment": "" if comment == "(null)" else comment}
+                return {
+                    "JobState": parts[1].strip(),
+                    "Priority": parts[2].strip(),
+                    "Reason": parts[3].strip(),
+                    "Comment": "" if comment == "(null)" else comment,
+                }
         raise PermanentBackendError(f"Slurm no longer lists job {job_id}; cannot requeue it")
 
     def _requeue(self, request: ResumeRequest, key: str) -> Mapping[str, Any]:
@@ -273,8 +326,9 @@ class SlurmBackend:
 
     def _resubmit(self, request: ResumeRequest, key: str) -> Mapping[str, Any]:
         marker = _marker(key)
-        out = self._run.run([self._bin("squeue"), "--noheader", "--all", "--states=all",
-                             "--format", f"%i{_SEP}%k"]).stdout
+        out = self._run.run(
+            [self._bin("squeue"), "--noheader", "--all", "--states=all", "--format", f"%i{_SEP}%k"]
+        ).stdout
         for line in out.splitlines():
             job_id, _, comment = line.partition(_SEP)
             if comment.strip() == marker:
@@ -294,9 +348,10 @@ class SlurmBackend:
             raise PermanentBackendError("resubmit_command expands to an argument with a NUL or newline")
         result = self._run.run(argv)
         new_id = result.stdout.strip().split(";")[0].split()[-1] if result.stdout.strip() else "?"
-        return {"detail": f"resubmitted job {request.job_id} as {new_id} from step "
-                          f"{ckpt.get('step')}", "job_id": new_id}
-
+        return {
+            "detail": f"resubmitted job {request.job_id} as {new_id} from step {ckpt.get('step')}",
+            "job_id": new_id,
+        }
 
     def _check_absence_conclusive(self, attempt_at: str, marker: str) -> None:
         """An earlier resubmission may have run. Slurm lists a job until ``MinJobAge`` after it
@@ -306,12 +361,13 @@ class SlurmBackend:
         match = re.search(r"^MinJobAge\s*=\s*([0-9]+)", out, re.MULTILINE)
         min_age = int(match.group(1)) if match else 0
         started = _dt.datetime.fromisoformat(attempt_at)
-        age = (_dt.datetime.now(_dt.timezone.utc) - started).total_seconds()
+        age = (_dt.datetime.now(_dt.UTC) - started).total_seconds()
         if age >= min_age:
             raise PermanentBackendError(
                 f"a resubmission started at {attempt_at} may have run (no job with comment {marker} is "
                 f"listed, but Slurm forgets finished jobs after MinJobAge={min_age}s); not repeating it: "
-                "check the job, then resubmit it by hand or dismiss the incident")
+                "check the job, then resubmit it by hand or dismiss the incident"
+            )
 
 
 def _template_values(request: ResumeRequest, marker: str) -> dict[str, str]:
@@ -326,9 +382,14 @@ def _template_values(request: ResumeRequest, marker: str) -> dict[str, str]:
         raise PermanentBackendError(f"refusing checkpoint step {step!r} in resubmit_command")
     if path != "" and (not isinstance(path, str) or CHECKPOINT_PATH.fullmatch(path) is None):
         raise PermanentBackendError(f"refusing checkpoint path {path!r} in resubmit_command")
-    return {"{job_id}": request.job_id, "{step}": str(step), "{checkpoint}": str(path),
-            "{exclude}": ",".join(validate_node_name(n) for n in request.exclude),
-            "{marker}": marker, "{incident}": request.incident_id}
+    return {
+        "{job_id}": request.job_id,
+        "{step}": str(step),
+        "{checkpoint}": str(path),
+        "{exclude}": ",".join(validate_node_name(n) for n in request.exclude),
+        "{marker}": marker,
+        "{incident}": request.incident_id,
+    }
 
 
 def _marker(key: str) -> str:

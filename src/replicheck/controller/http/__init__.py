@@ -6,5 +6,15 @@ from replicheck.controller.http.app import ApiError, HttpConfig, create_app
 from replicheck.controller.http.auth import Authenticator, Principal, Role, Token, read_token_file
 from replicheck.controller.http.server import BackgroundServer, parse_address
 
-__all__ = ["ApiError", "Authenticator", "BackgroundServer", "HttpConfig", "Principal", "Role", "Token",
-           "create_app", "parse_address", "read_token_file"]
+__all__ = [
+    "ApiError",
+    "Authenticator",
+    "BackgroundServer",
+    "HttpConfig",
+    "Principal",
+    "Role",
+    "Token",
+    "create_app",
+    "parse_address",
+    "read_token_file",
+]

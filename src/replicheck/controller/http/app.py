@@ -8,10 +8,11 @@ import contextlib
 import json
 import logging
 import sqlite3
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 from urllib.parse import quote
 
 from replicheck.controller.config import ControllerConfig
@@ -22,7 +23,7 @@ from replicheck.controller.errors import (
     InvalidTransitionError,
     UnknownIncidentError,
 )
-from replicheck.controller.http.auth import AuthError, Authenticator, Principal, RefusalBudget, Role, Token
+from replicheck.controller.http.auth import Authenticator, AuthError, Principal, RefusalBudget, Role, Token
 from replicheck.controller.http.limits import Guard, error_body
 from replicheck.controller.http.schema import incident_schema
 from replicheck.controller.http.views import detail_json, summary_json
@@ -86,12 +87,19 @@ class DecisionBody(BaseModel):
     """An operator's decision."""
 
     model_config = ConfigDict(extra="forbid")
-    by: str | None = Field(default=None, min_length=1, max_length=64, pattern=r"^[^\x00-\x1f\x7f]+$",
-                           description="Who decides. Required with a shared (unnamed) operator token; "
-                                       "with a named token it must be omitted or equal the token's name.")
+    by: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=64,
+        pattern=r"^[^\x00-\x1f\x7f]+$",
+        description="Who decides. Required with a shared (unnamed) operator token; "
+        "with a named token it must be omitted or equal the token's name.",
+    )
     expect_state: State | None = Field(
-        default=None, description="The state the person saw; the decision is refused (409) if the incident "
-                                  "has moved on. Without it, refused if any decision was already recorded.")
+        default=None,
+        description="The state the person saw; the decision is refused (409) if the incident "
+        "has moved on. Without it, refused if any decision was already recorded.",
+    )
 
 
 def create_app(config: HttpConfig, *, on_change: Callable[[], None] | None = None) -> Any:
@@ -104,12 +112,19 @@ def create_app(config: HttpConfig, *, on_change: Callable[[], None] | None = Non
         from replicheck.controller.http.metrics import ServerMetrics
 
         metrics = ServerMetrics(config.db_path)
-    app = FastAPI(title="replicheck controller", version="1",
-                  description="Incidents in, decisions out. Job token: post incidents. Operator token: "
-                              "everything else. Errors are JSON: {\"error\": {status, code, message}}.",
-                  docs_url=None, redoc_url=None, max_body_size=config.max_body_bytes)
+    app = FastAPI(
+        title="replicheck controller",
+        version="1",
+        description="Incidents in, decisions out. Job token: post incidents. Operator token: "
+        'everything else. Errors are JSON: {"error": {status, code, message}}.',
+        docs_url=None,
+        redoc_url=None,
+        max_body_size=config.max_body_bytes,
+    )
     job_scheme = HTTPBearer(auto_error=False, scheme_name="jobToken", description="the job token")
-    operator_scheme = HTTPBearer(auto_error=False, scheme_name="operatorToken", description="the operator token")
+    operator_scheme = HTTPBearer(
+        auto_error=False, scheme_name="operatorToken", description="the operator token"
+    )
 
     @contextlib.contextmanager
     def controller() -> Iterator[Controller]:
@@ -150,8 +165,12 @@ def create_app(config: HttpConfig, *, on_change: Callable[[], None] | None = Non
                 return auth.check(request.headers.get("authorization"), role)
             except AuthError as err:
                 refuse(request, err)
-                raise ApiError(err.status, "unauthorized" if err.status == 401 else "forbidden", err.message,
-                               {"WWW-Authenticate": "Bearer"} if err.status == 401 else None) from None
+                raise ApiError(
+                    err.status,
+                    "unauthorized" if err.status == 401 else "forbidden",
+                    err.message,
+                    {"WWW-Authenticate": "Bearer"} if err.status == 401 else None,
+                ) from None
 
         return dependency
 
@@ -165,8 +184,12 @@ def create_app(config: HttpConfig, *, on_change: Callable[[], None] | None = Non
     # --- errors -----------------------------------------------------------------------------
 
     def error(status: int, code: str, message: str, headers: dict[str, str] | None = None) -> Response:
-        return Response(error_body(status, code, message), status_code=status, media_type="application/json",
-                        headers=headers)
+        return Response(
+            error_body(status, code, message),
+            status_code=status,
+            media_type="application/json",
+            headers=headers,
+        )
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> Response:
@@ -184,8 +207,9 @@ def create_app(config: HttpConfig, *, on_change: Callable[[], None] | None = Non
         code = {404: "not_found", 405: "method_not_allowed", 413: "too_large"}.get(exc.status_code, "error")
         if exc.status_code == 413:
             bad_body("too_large")
-            return error(413, code, f"request body larger than {config.max_body_bytes} bytes",
-                         {"Connection": "close"})
+            return error(
+                413, code, f"request body larger than {config.max_body_bytes} bytes", {"Connection": "close"}
+            )
         return error(exc.status_code, code, str(exc.detail), getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
@@ -197,14 +221,28 @@ def create_app(config: HttpConfig, *, on_change: Callable[[], None] | None = Non
 
     # --- jobs -------------------------------------------------------------------------------
 
-    @app.post(f"{API}/incidents", tags=["jobs"], status_code=201, summary="Report an incident",
-              responses={200: {"description": "duplicate merged"}, 201: {"description": "stored"},
-                         400: {"description": "not JSON"}, 401: {"description": "no or unknown token"},
-                         403: {"description": "not a job token"}, 413: {"description": "body too large"},
-                         415: {"description": "not application/json"},
-                         422: {"description": "not a valid incident"}},
-              openapi_extra={"requestBody": {"required": True, "content": {
-                  "application/json": {"schema": {"$ref": "#/components/schemas/Incident"}}}}})
+    @app.post(
+        f"{API}/incidents",
+        tags=["jobs"],
+        status_code=201,
+        summary="Report an incident",
+        responses={
+            200: {"description": "duplicate merged"},
+            201: {"description": "stored"},
+            400: {"description": "not JSON"},
+            401: {"description": "no or unknown token"},
+            403: {"description": "not a job token"},
+            413: {"description": "body too large"},
+            415: {"description": "not application/json"},
+            422: {"description": "not a valid incident"},
+        },
+        openapi_extra={
+            "requestBody": {
+                "required": True,
+                "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Incident"}}},
+            }
+        },
+    )
     async def post_incident(request: Request, who: Principal = Security(job)) -> Response:
         """Store an incident (or merge a duplicate: every rank may post the same one). Validated
         with the incident schema; refused bodies store nothing."""
@@ -234,8 +272,11 @@ def create_app(config: HttpConfig, *, on_change: Callable[[], None] | None = Non
 
         result = await run_in_threadpool(store)
         changed()
-        return JSONResponse({"id": incident.id, "new": result.new}, status_code=201 if result.new else 200,
-                            headers={"Location": f"{API}/incidents/{quote(incident.id, safe='')}"})
+        return JSONResponse(
+            {"id": incident.id, "new": result.new},
+            status_code=201 if result.new else 200,
+            headers={"Location": f"{API}/incidents/{quote(incident.id, safe='')}"},
+        )
 
     # --- operators --------------------------------------------------------------------------
 
@@ -244,27 +285,37 @@ def create_app(config: HttpConfig, *, on_change: Callable[[], None] | None = Non
         return {"role": who.role.value, "name": who.name, "shared": who.name is None}
 
     @app.get(f"{API}/incidents", tags=["operators"], summary="List incidents")
-    def list_incidents(state: list[State] | None = Query(default=None, description="only these states"),
-                       _: Principal = Security(operator)) -> dict[str, Any]:
+    def list_incidents(
+        state: list[State] | None = Query(default=None, description="only these states"),
+        _: Principal = Security(operator),
+    ) -> dict[str, Any]:
         with controller() as ctl:
             records = ctl.records(state)
             rejected = len(ctl.store.rejected_rows())
         return {"incidents": [summary_json(r) for r in records], "rejected_inputs": rejected}
 
-    @app.get(f"{API}/incidents/{{incident_id:path}}", tags=["operators"], summary="One incident in full",
-             responses={404: {"description": "unknown incident"}})
+    @app.get(
+        f"{API}/incidents/{{incident_id:path}}",
+        tags=["operators"],
+        summary="One incident in full",
+        responses={404: {"description": "unknown incident"}},
+    )
     def show_incident(incident_id: str, _: Principal = Security(operator)) -> dict[str, Any]:
         with controller() as ctl:
             view = _found(lambda: ctl.show(incident_id))
         return detail_json(view, config.controller, config.applies)
 
-    def decide(incident_id: str, decision: str, body: DecisionBody | None, who: Principal,
-               request: Request) -> dict[str, Any]:
+    def decide(
+        incident_id: str, decision: str, body: DecisionBody | None, who: Principal, request: Request
+    ) -> dict[str, Any]:
         body = body or DecisionBody()
         if who.name is not None:
             if body.by is not None and body.by.strip() != who.name:
-                raise ApiError(422, "invalid", f"this operator token belongs to {who.name!r}; omit 'by' or "
-                                               f"send {who.name!r}")
+                raise ApiError(
+                    422,
+                    "invalid",
+                    f"this operator token belongs to {who.name!r}; omit 'by' or send {who.name!r}",
+                )
             name, how = who.name, f"operator token {who.name!r}"
         else:
             if body.by is None or not body.by.strip():
@@ -272,8 +323,15 @@ def create_app(config: HttpConfig, *, on_change: Callable[[], None] | None = Non
             name, how = body.by.strip(), "shared operator token (name given by the requester)"
         client = request.client.host if request.client else "unknown"
         with controller() as ctl:
-            record = _found(lambda: ctl.decide(incident_id, decision, name, expect_state=body.expect_state,
-                                               via=f"HTTP from {client}, {how}"))
+            _found(
+                lambda: ctl.decide(
+                    incident_id,
+                    decision,
+                    name,
+                    expect_state=body.expect_state,
+                    via=f"HTTP from {client}, {how}",
+                )
+            )
             view = ctl.show(incident_id)
         changed()
         return detail_json(view, config.controller, config.applies)
@@ -281,18 +339,35 @@ def create_app(config: HttpConfig, *, on_change: Callable[[], None] | None = Non
     decision_responses: dict[int | str, dict[str, Any]] = {
         404: {"description": "unknown incident"},
         409: {"description": "not in a state that allows this decision, or already decided"},
-        422: {"description": "invalid body"}}
+        422: {"description": "invalid body"},
+    }
 
-    @app.post(f"{API}/incidents/{{incident_id:path}}/approve", tags=["operators"], responses=decision_responses,
-              summary="Approve the replacement of the incident's nodes")
-    def approve(incident_id: str, request: Request, body: DecisionBody | None = Body(default=None),
-                who: Principal = Security(operator)) -> dict[str, Any]:
+    @app.post(
+        f"{API}/incidents/{{incident_id:path}}/approve",
+        tags=["operators"],
+        responses=decision_responses,
+        summary="Approve the replacement of the incident's nodes",
+    )
+    def approve(
+        incident_id: str,
+        request: Request,
+        body: DecisionBody | None = Body(default=None),
+        who: Principal = Security(operator),
+    ) -> dict[str, Any]:
         return decide(incident_id, "approve", body, who, request)
 
-    @app.post(f"{API}/incidents/{{incident_id:path}}/dismiss", tags=["operators"], responses=decision_responses,
-              summary="Dismiss the incident (false alarm: undo the cordon)")
-    def dismiss(incident_id: str, request: Request, body: DecisionBody | None = Body(default=None),
-                who: Principal = Security(operator)) -> dict[str, Any]:
+    @app.post(
+        f"{API}/incidents/{{incident_id:path}}/dismiss",
+        tags=["operators"],
+        responses=decision_responses,
+        summary="Dismiss the incident (false alarm: undo the cordon)",
+    )
+    def dismiss(
+        incident_id: str,
+        request: Request,
+        body: DecisionBody | None = Body(default=None),
+        who: Principal = Security(operator),
+    ) -> dict[str, Any]:
         return decide(incident_id, "dismiss", body, who, request)
 
     # --- page, health, metrics --------------------------------------------------------------
@@ -310,8 +385,12 @@ def create_app(config: HttpConfig, *, on_change: Callable[[], None] | None = Non
         with controller() as ctl:
             return {"ok": True, "schema_version": ctl.store.schema_version()}
 
-    @app.get("/metrics", tags=["service"], summary="Prometheus metrics (text format)",
-             responses={200: {"content": {"text/plain": {}}}, 501: {"description": "prometheus-client missing"}})
+    @app.get(
+        "/metrics",
+        tags=["service"],
+        summary="Prometheus metrics (text format)",
+        responses={200: {"content": {"text/plain": {}}}, 501: {"description": "prometheus-client missing"}},
+    )
     def get_metrics() -> Response:
         if metrics is None:
             raise ApiError(501, "not_enabled", "metrics are off (pip install 'replicheck[metrics]')")
@@ -334,7 +413,9 @@ def create_app(config: HttpConfig, *, on_change: Callable[[], None] | None = Non
             metrics.requests.labels(method, route, str(status)).inc()
 
     # Outermost, so an announced oversized body is refused before any other layer reads it.
-    return Guard(app, limit=config.max_body_bytes, on_response=on_response, on_too_large=lambda: bad_body("too_large"))
+    return Guard(
+        app, limit=config.max_body_bytes, on_response=on_response, on_too_large=lambda: bad_body("too_large")
+    )
 
 
 def _no_constant(name: str) -> Any:

@@ -15,9 +15,9 @@ import re
 import stat
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
 
 from replicheck.controller.errors import ConfigError
 
@@ -127,7 +127,9 @@ class Authenticator:
                 raise AuthError(401, f"this controller accepts no {role.value} token (none configured)")
             raise AuthError(401, "unknown token")
         if found.role is not role:
-            raise AuthError(403, f"a {found.role.value} token may not do this; it needs the {role.value} token")
+            raise AuthError(
+                403, f"a {found.role.value} token may not do this; it needs the {role.value} token"
+            )
         return Principal(found.role, found.name)
 
 

@@ -5,7 +5,8 @@ are limited by FastAPI's ``max_body_size``, whose 413 the app turns into the sam
 from __future__ import annotations
 
 import json
-from typing import Any, Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -17,9 +18,11 @@ SECURITY_HEADERS = (
     (b"x-content-type-options", b"nosniff"),
     (b"referrer-policy", b"no-referrer"),
     (b"x-frame-options", b"DENY"),
-    (b"content-security-policy",
-     b"default-src 'self'; img-src 'self' data:; style-src 'self'; script-src 'self'; "
-     b"connect-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'none'"),
+    (
+        b"content-security-policy",
+        b"default-src 'self'; img-src 'self' data:; style-src 'self'; script-src 'self'; "
+        b"connect-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'none'",
+    ),
 )
 
 
@@ -32,8 +35,14 @@ class Guard:
     """Adds security headers to every response, reports (method, route, status), and refuses a
     Content-Length over ``limit`` before the body is read."""
 
-    def __init__(self, app: ASGIApp, *, limit: int, on_response: Callable[[str, str, int], None] | None = None,
-                 on_too_large: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        limit: int,
+        on_response: Callable[[str, str, int], None] | None = None,
+        on_too_large: Callable[[], None] | None = None,
+    ) -> None:
         self.app = app
         self.limit = limit
         self.on_response = on_response
@@ -52,9 +61,18 @@ class Guard:
             code, text = (413, "too_large") if too_large else (400, "bad_request")
             message = f"request body larger than {self.limit} bytes" if too_large else "bad Content-Length"
             body = error_body(code, text, message)
-            await send({"type": "http.response.start", "status": code, "headers": [
-                (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                (b"connection", b"close"), *SECURITY_HEADERS]})
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": code,
+                    "headers": [
+                        (b"content-type", b"application/json"),
+                        (b"content-length", str(len(body)).encode()),
+                        (b"connection", b"close"),
+                        *SECURITY_HEADERS,
+                    ],
+                }
+            )
             await send({"type": "http.response.body", "body": body})
             if self.on_response is not None:
                 self.on_response(str(scope.get("method", "")), "unrouted", code)

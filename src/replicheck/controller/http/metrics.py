@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import datetime as _dt
 from collections import Counter
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Iterable, Iterator
 
 from replicheck.controller.model import ActionKind, State
 from replicheck.controller.store import Store
@@ -46,27 +46,37 @@ class StoreCollector(Collector):
             actions = store.actions()
             audit = store.audit_rows()
             rejected = len(store.rejected_rows())
-            detected = {r.incident_id: _parse(store.get_incident(r.incident_id).incident.time) for r in records}
+            detected = {
+                r.incident_id: _parse(store.get_incident(r.incident_id).incident.time) for r in records
+            }
         finally:
             store.close()
 
-        incidents = GaugeMetricFamily("replicheck_incidents", "Incidents by current state and classification",
-                                      labels=["state", "classification"])
+        incidents = GaugeMetricFamily(
+            "replicheck_incidents",
+            "Incidents by current state and classification",
+            labels=["state", "classification"],
+        )
         by_state = Counter((r.state.value, r.classification) for r in records)
         for state in State:
             for cls in CLASSIFICATIONS:
                 incidents.add_metric([state.value, cls], by_state[(state.value, cls)])
         yield incidents
 
-        acts = GaugeMetricFamily("replicheck_actions", "Actions by kind and result (skipped: done, nothing "
-                                 "needed doing)", labels=["kind", "result"])
-        failed_attempts = GaugeMetricFamily("replicheck_action_failed_attempts",
-                                            "Backend calls that failed (retried or final), by action kind",
-                                            labels=["kind"])
+        acts = GaugeMetricFamily(
+            "replicheck_actions",
+            "Actions by kind and result (skipped: done, nothing needed doing)",
+            labels=["kind", "result"],
+        )
+        failed_attempts = GaugeMetricFamily(
+            "replicheck_action_failed_attempts",
+            "Backend calls that failed (retried or final), by action kind",
+            labels=["kind"],
+        )
         by_result: Counter[tuple[str, str]] = Counter()
         failures: Counter[str] = Counter()
         for a in actions:
-            result = "skipped" if a.status == "done" and a.result and a.result.get("skipped") else a.status
+            result: str = "skipped" if a.status == "done" and a.result and a.result.get("skipped") else a.status
             by_result[(a.kind.value, result)] += 1
             succeeded_or_running = 1 if a.status in ("done", "in_flight") else 0
             failures[a.kind.value] += max(0, a.attempts - succeeded_or_running)
@@ -77,24 +87,35 @@ class StoreCollector(Collector):
         yield acts
         yield failed_attempts
 
-        failed = GaugeMetricFamily("replicheck_incidents_failed", "Incidents in the failed state (a person "
-                                   "must look)")
+        failed = GaugeMetricFamily(
+            "replicheck_incidents_failed", "Incidents in the failed state (a person must look)"
+        )
         failed.add_metric([], sum(1 for r in records if r.state is State.FAILED))
         yield failed
-        yield GaugeMetricFamily("replicheck_rejected_inputs", "Malformed or unknown-version incident inputs kept",
-                                value=rejected)
+        yield GaugeMetricFamily(
+            "replicheck_rejected_inputs", "Malformed or unknown-version incident inputs kept", value=rejected
+        )
 
         cordoned_at: dict[str, _dt.datetime] = {}
         for row in audit:
             if row.incident_id and row.what.endswith("-> cordoned") and row.incident_id not in cordoned_at:
                 cordoned_at[row.incident_id] = _parse(row.at)
         to_cordon = [(cordoned_at[i] - detected[i]).total_seconds() for i in cordoned_at if i in detected]
-        to_approval = [(_parse(r.approved_at) - detected[r.incident_id]).total_seconds()
-                       for r in records if r.approved_at]
-        yield _histogram("replicheck_detection_to_cordon_seconds",
-                         "Time from the incident's detection (its time) to the controller's cordon", to_cordon)
-        yield _histogram("replicheck_detection_to_approval_seconds",
-                         "Time from the incident's detection to its approval (person or auto-approve)", to_approval)
+        to_approval = [
+            (_parse(r.approved_at) - detected[r.incident_id]).total_seconds()
+            for r in records
+            if r.approved_at
+        ]
+        yield _histogram(
+            "replicheck_detection_to_cordon_seconds",
+            "Time from the incident's detection (its time) to the controller's cordon",
+            to_cordon,
+        )
+        yield _histogram(
+            "replicheck_detection_to_approval_seconds",
+            "Time from the incident's detection to its approval (person or auto-approve)",
+            to_approval,
+        )
 
 
 def _histogram(name: str, doc: str, values: list[float]) -> HistogramMetricFamily:
@@ -114,16 +135,26 @@ class ServerMetrics:
     def __init__(self, db_path: str | Path) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(StoreCollector(db_path))
-        self.requests = PromCounter("replicheck_http_requests", "HTTP requests by route and status",
-                                    ["method", "route", "status"], registry=self.registry)
-        self.refused = PromCounter("replicheck_http_auth_refusals", "Requests refused for a missing, unknown "
-                                   "or wrong-role token", ["status"], registry=self.registry)
-        self.bad_bodies = PromCounter("replicheck_http_rejected_bodies", "Request bodies refused "
-                                      "(too_large, malformed, schema)", ["reason"], registry=self.registry)
+        self.requests = PromCounter(
+            "replicheck_http_requests",
+            "HTTP requests by route and status",
+            ["method", "route", "status"],
+            registry=self.registry,
+        )
+        self.refused = PromCounter(
+            "replicheck_http_auth_refusals",
+            "Requests refused for a missing, unknown or wrong-role token",
+            ["status"],
+            registry=self.registry,
+        )
+        self.bad_bodies = PromCounter(
+            "replicheck_http_rejected_bodies",
+            "Request bodies refused (too_large, malformed, schema)",
+            ["reason"],
+            registry=self.registry,
+        )
 
     def exposition(self) -> tuple[bytes, str]:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
-
-

@@ -19,5 +19,5 @@ def incident_schema() -> dict[str, Any]:
     props["version"] = {"const": SCHEMA_VERSION, "type": "integer", "description": "schema version"}
     required = set(raw.get("required", [])) | {"schema", "version", "world_size", "time"}
     raw["required"] = sorted(required)
-    raw["description"] = ("A replicheck incident record (version %d); see replicheck.incident." % SCHEMA_VERSION)
+    raw["description"] = f"A replicheck incident record (version {SCHEMA_VERSION}); see replicheck.incident."
     return {"Incident": raw, **defs}

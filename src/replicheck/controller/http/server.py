@@ -38,11 +38,13 @@ class BackgroundServer:
             raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
         self.host = host
         self.port = int(self._sock.getsockname()[1])
-        config = uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=5)
+        config = uvicorn.Config(
+            app, log_level=log_level, access_log=False, lifespan="off", timeout_graceful_shutdown=5
+        )
         self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
-                                        name="replicheck-http", daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.run, kwargs={"sockets": [self._sock]}, name="replicheck-http", daemon=True
+        )
 
     @property
     def url(self) -> str:

@@ -19,9 +19,15 @@ def record_json(record: Record) -> dict[str, Any]:
 
 def summary_json(record: Record) -> dict[str, Any]:
     """One line of the incident list."""
-    return {"id": record.incident_id, "job_id": record.job_id, "state": record.state.value,
-            "classification": record.classification, "nodes": list(record.targets),
-            "reason": record.reason, "decision_pending": record.state is State.AWAITING_APPROVAL}
+    return {
+        "id": record.incident_id,
+        "job_id": record.job_id,
+        "state": record.state.value,
+        "classification": record.classification,
+        "nodes": list(record.targets),
+        "reason": record.reason,
+        "decision_pending": record.state is State.AWAITING_APPROVAL,
+    }
 
 
 def detail_json(view: IncidentView, config: ControllerConfig, applies: bool | None) -> dict[str, Any]:
@@ -51,21 +57,29 @@ def consequences(view: IncidentView, config: ControllerConfig, applies: bool | N
     else:
         where = "with no checkpoint named by the incident (the job's own restart logic decides)"
     hours = config.return_timeout_s / 3600
-    approve = (f"Node(s) {nodes} will be taken out of service and replaced (a spare or the repaired node "
-               f"takes each one's place; the controller waits up to {hours:g} h), then job {r.job_id} is "
-               f"resumed {where}, without {nodes}.")
+    approve = (
+        f"Node(s) {nodes} will be taken out of service and replaced (a spare or the repaired node "
+        f"takes each one's place; the controller waits up to {hours:g} h), then job {r.job_id} is "
+        f"resumed {where}, without {nodes}."
+    )
     if len(r.targets) > config.max_replacements:
-        approve += (f" Note: this needs {len(r.targets)} replacements but the policy allows "
-                    f"{config.max_replacements} per {config.replacement_window_s / 3600:g} h; it will wait.")
-    dismiss = (f"The incident is treated as a false alarm: the cordon on {', '.join(r.cordoned) or 'no node'} "
-               f"is lifted and nothing is replaced. Job {r.job_id} is NOT resumed by the controller; "
-               f"restart it yourself if it stopped.")
+        approve += (
+            f" Note: this needs {len(r.targets)} replacements but the policy allows "
+            f"{config.max_replacements} per {config.replacement_window_s / 3600:g} h; it will wait."
+        )
+    dismiss = (
+        f"The incident is treated as a false alarm: the cordon on {', '.join(r.cordoned) or 'no node'} "
+        f"is lifted and nothing is replaced. Job {r.job_id} is NOT resumed by the controller; "
+        f"restart it yourself if it stopped."
+    )
     if applies is False:
         note = " The controller runs in dry-run mode: it records the decision but performs no cluster action."
         approve, dismiss = approve + note, dismiss + note
-    status = {State.AWAITING_APPROVAL: "A decision is needed.",
-              State.APPROVED: f"Approved by {r.approved_by} at {r.approved_at}; {r.reason}.",
-              State.DISMISSED: f"Dismissed by {r.dismissed_by} at {r.dismissed_at}; {r.reason}.",
-              State.UNCORDONED: f"Dismissed by {r.dismissed_by}; closed: {r.reason}.",
-              State.RESUMED: f"Closed: {r.reason}."}.get(r.state, f"No decision yet: {r.state.value} ({r.reason}).")
+    status = {
+        State.AWAITING_APPROVAL: "A decision is needed.",
+        State.APPROVED: f"Approved by {r.approved_by} at {r.approved_at}; {r.reason}.",
+        State.DISMISSED: f"Dismissed by {r.dismissed_by} at {r.dismissed_at}; {r.reason}.",
+        State.UNCORDONED: f"Dismissed by {r.dismissed_by}; closed: {r.reason}.",
+        State.RESUMED: f"Closed: {r.reason}.",
+    }.get(r.state, f"No decision yet: {r.state.value} ({r.reason}).")
     return {"approve": approve, "dismiss": dismiss, "status": status}
