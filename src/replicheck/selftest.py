@@ -55,7 +55,11 @@ def run_selftest(config: SelftestConfig | None = None) -> SelftestResult:
     device = torch.device(cfg.device)
     started = time.perf_counter()
     previous = torch.are_deterministic_algorithms_enabled()
+    threads = torch.get_num_threads()
     torch.use_deterministic_algorithms(True)
+    # One CPU thread: a BLAS that adapts its thread count to the machine's load splits the
+    # reductions differently, and a known answer must not depend on how busy the node is.
+    torch.set_num_threads(1)
     try:
         gen = torch.Generator(device="cpu").manual_seed(cfg.seed)
         weights = [
@@ -81,4 +85,5 @@ def run_selftest(config: SelftestConfig | None = None) -> SelftestResult:
             h.update(tensor_digest(w.detach()).to_bytes(8, "little", signed=True))
     finally:
         torch.use_deterministic_algorithms(previous)
+        torch.set_num_threads(threads)
     return SelftestResult(h.hexdigest(), float(loss.item()), str(device), time.perf_counter() - started)

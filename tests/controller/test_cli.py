@@ -127,6 +127,6 @@ def test_selftest_fingerprint_is_reproducible() -> None:
     """Two runs of the known-answer self-test give the same fingerprint; --expect of another exits 1."""
     first = json.loads(cli("selftest", "--json", "--steps", "1").stdout)
     second = cli("selftest", "--json", "--steps", "1", "--expect", first["fingerprint"])
-    assert second.returncode == 0 and json.loads(second.stdout)["passed"] is True
+    assert second.returncode == 0 and json.loads(second.stdout)["passed"] is True, (first, second.stdout)
     wrong = cli("selftest", "--steps", "1", "--expect", "0" * 16)
     assert wrong.returncode == 1 and "DIFFERS" in wrong.stdout

@@ -76,7 +76,9 @@ class StoreCollector(Collector):
         by_result: Counter[tuple[str, str]] = Counter()
         failures: Counter[str] = Counter()
         for a in actions:
-            result: str = "skipped" if a.status == "done" and a.result and a.result.get("skipped") else a.status
+            result: str = (
+                "skipped" if a.status == "done" and a.result and a.result.get("skipped") else a.status
+            )
             by_result[(a.kind.value, result)] += 1
             succeeded_or_running = 1 if a.status in ("done", "in_flight") else 0
             failures[a.kind.value] += max(0, a.attempts - succeeded_or_running)
