@@ -16,7 +16,7 @@ from replicheck.controller.backends.kube_api import KubeApi, KubeConflict, KubeN
 from replicheck.controller.errors import NotYet, PermanentBackendError
 
 if TYPE_CHECKING:
-    from replicheck.controller.backends.kubernetes import KubernetesConfig
+    from replicheck.controller.backends.kube_config import KubernetesConfig
 
 APP_LABEL = "app.kubernetes.io/name"
 KEY_ANNOTATION = "replicheck.io/action-key"
