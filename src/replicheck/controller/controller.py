@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as _dt
+import logging
 import os
 import pwd
 import re
@@ -45,6 +46,8 @@ PERSON_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9 ._@+-]{0,63}")
 no newline, tab, control or non-ASCII character that could forge or hide a line."""
 RESERVED_NAMES = frozenset({"auto-approve", "controller", "replicheck", "system"})
 """Approver names the controller uses itself (with its configured ``actor``): refused for people."""
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -129,6 +132,7 @@ class Controller:
             if new:
                 self.store.save_record(initial_record(incident), now)
                 self.store.audit(now, self.config.actor, "ingested", f"from {source}", incident.id)
+                log.info("ingested incident %s (job %s) from %s", incident.id, incident.job_id, source)
             elif merge == "filled":
                 record = self.store.get_record(incident.id)
                 resuming = action_key(record.incident_id, ActionKind.RESUME, record.job_id)
@@ -186,6 +190,7 @@ class Controller:
         now = self._now()
         error = parsed.error or "invalid"
         with self.store.transaction():
+            log.warning("rejected input %s: %s", parsed.source, error)
             if self.store.reject(parsed.source, error, parsed.content, now):
                 self.store.audit(now, self.config.actor, "rejected input", f"{parsed.source}: {error}")
         return IngestResult(parsed.source, None, rejected=error)
@@ -293,6 +298,15 @@ class Controller:
             elif step.record.reason != record.reason:
                 self.store.audit(now, actor, record.state.value, step.record.reason, incident_id)
         if changed:
+            level = logging.ERROR if t.to_state.value == "failed" else logging.INFO
+            log.log(
+                level,
+                "incident %s: %s -> %s (%s)",
+                incident_id,
+                t.from_state.value,
+                t.to_state.value,
+                t.reason,
+            )
             made.append(t)
             if self._on_transition is not None:
                 self._on_transition(t)
