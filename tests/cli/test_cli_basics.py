@@ -142,3 +142,22 @@ def test_logging_flags_and_json_format(tmp_path: Path) -> None:
     assert records and all({"level", "logger", "message", "time"} <= r.keys() for r in records)
     assert any(r["level"] == "INFO" and r["logger"] == "replicheck.controller.controller" for r in records)
     assert ingest("--quiet", db="c.db").stderr == ""
+
+
+@pytest.mark.timeout(120)
+def test_progress_into_a_pipe_has_no_carriage_returns(tmp_path: Path) -> None:
+    """With stderr a pipe, the progress is plain lines (no tqdm carriage-return frames)."""
+    run = replicheck(
+        "campaign",
+        "--soak",
+        "2",
+        "--nodes",
+        "1",
+        "--gpus-per-node",
+        "2",
+        "--out",
+        str(tmp_path / "o"),
+        env={"OMP_NUM_THREADS": "1"},
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "\r" not in run.stderr and "soak: 1/1" in run.stderr
