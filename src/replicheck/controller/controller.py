@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as _dt
+import hashlib
 import logging
 import os
 import pwd
@@ -147,13 +148,25 @@ class Controller:
                         incident.id,
                     )
             elif merge == "differs":
+                # Same id, other content (e.g. two jobs without a job id): a distinct incident,
+                # stored under an id derived from its content; never merged into the first.
+                digest = hashlib.sha256(incident.to_json().encode()).hexdigest()[:12]
+                distinct = dataclasses.replace(incident, id=f"{incident.id}+{digest}")
                 self.store.audit(
                     now,
                     self.config.actor,
-                    "duplicate merged",
-                    f"copy from {source} differs from the first; first copy kept",
+                    "distinct incident",
+                    f"copy from {source} differs from the stored one; kept as {distinct.id}",
                     incident.id,
                 )
+        if merge == "differs":
+            log.warning(
+                "incident %s from %s differs from the stored copy; stored as %s",
+                incident.id,
+                source,
+                distinct.id,
+            )
+            return self.ingest(distinct, source)
         return IngestResult(source, incident.id, new=new)
 
     def ingest_file(self, path: str | Path) -> IngestResult:

@@ -142,6 +142,8 @@ class Guard:
             ring=self._ring.order,
             mode=cfg.mode,
             incident_dir=cfg.incident_dir,
+            attempt=RuntimeInfo.attempt_from_env(),
+            incident_mode=cfg.incident_mode,
         )
 
     def _checked_params(self) -> list[tuple[str, torch.nn.Parameter]]:
