@@ -22,6 +22,7 @@ _COMMANDS = (
     "incidents",
     "nodes",
     "audit",
+    "launch",
 )
 
 
