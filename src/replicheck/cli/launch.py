@@ -5,6 +5,7 @@ command failed and wrote a new incident, whatever status the launcher itself ret
 from __future__ import annotations
 
 import argparse
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -57,10 +58,14 @@ def _launch(args: argparse.Namespace) -> int:
     directory = Path(args.incident_dir)
     before = set(directory.glob("*.json")) if directory.is_dir() else set()
     try:
-        status = subprocess.call(command)
+        child = subprocess.Popen(command)
     except OSError as exc:
         print(f"replicheck launch: cannot run {command[0]}: {exc}", file=sys.stderr)
         return 127
+    # Pass a scheduler's SIGTERM/SIGINT on to the command (torchrun stops its workers).
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, _frame: child.send_signal(signum))
+    status = child.wait()
     if status == 0:
         return 0
     new = sorted(set(directory.glob("*.json")) - before) if directory.is_dir() else []
