@@ -205,7 +205,9 @@ def _prepare(config: DemoConfig, say: _Printer) -> _Plan:
     ranks_nodes = [names[r // per] for r in range(job.world)]
     if job.spec.guard is None:
         raise ValueError(f"scenario {scenario.name!r} runs no guard")
-    guard = dataclasses.replace(job.spec.guard, incident_dir=str(root / "incidents"), job_id="demo-job")
+    # The demo writes the incident itself, annotated with its checkpoint (_recommend), as a job
+    # with a checkpoint store does: incident files are never overwritten, so the guard writes none.
+    guard = dataclasses.replace(job.spec.guard, incident_dir=None, job_id="demo-job")
     spec = dataclasses.replace(
         job.spec,
         guard=guard,
