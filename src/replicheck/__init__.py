@@ -6,11 +6,15 @@ The training-side names (``Guard`` and friends) import torch, so they are loaded
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 from replicheck.codes import EXIT_CORRUPTION
 
 __version__ = "0.1.0"
+
+# A library prints nothing unless the application configures logging (the CLI does, -v/--quiet).
+logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 if TYPE_CHECKING:
     from replicheck.guard import (

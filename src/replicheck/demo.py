@@ -35,7 +35,8 @@ class DemoConfig:
     scenario: str = "aws-persistent-3n"
     """Campaign scenario to play (``replicheck campaign`` lists them)."""
     out_dir: str = "demo-out"
-    """Where the checkpoints, incidents, controller database, PNG and JSON go (recreated)."""
+    """Where the checkpoints, incidents, controller database, PNG and JSON go: created, or an
+    empty directory, or one an earlier demo made (only what that demo created is removed)."""
     steps: int = 40
     """Training length in steps."""
     nodes: int = 3
@@ -139,22 +140,74 @@ def run_demo(config: DemoConfig, out: TextIO = sys.stdout) -> dict[str, Any]:
     return _finish(plan.root, say, facts, config, first, second)
 
 
+MARKER = ".replicheck-demo"
+"""File in the output directory recording what the demo created there (and what it found)."""
+
+
+class DemoError(ValueError):
+    """The demo cannot run with these arguments (nothing was deleted)."""
+
+
+def _claim_out_dir(root: Path) -> None:
+    """Make ``root`` the demo's: create it, or take an empty one, or clear what an earlier demo
+    created in it. A non-empty directory the demo did not make is refused; nothing else is
+    ever deleted (not the directory itself, nor files someone put next to the demo's)."""
+    import shutil
+
+    if root.exists() and not root.is_dir():
+        raise DemoError(f"--out {root}: exists and is not a directory")
+    root.mkdir(parents=True, exist_ok=True)
+    marker = root / MARKER
+    if marker.is_file():
+        try:
+            record = json.loads(marker.read_text())
+            found = set(record["found"])
+            created = record.get("created")
+        except (ValueError, KeyError, TypeError) as exc:
+            raise DemoError(f"--out {root}: unreadable {MARKER} ({exc}); remove it by hand") from exc
+        names = {p.name for p in root.iterdir()} - {MARKER}
+        # A run that finished listed what it made; one that crashed made everything not found.
+        ours = (set(created) if created is not None else names - found) & names
+        for name in sorted(ours):
+            path = root / name
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+        found = {p.name for p in root.iterdir()} - {MARKER}  # what stays is not the demo's
+    else:
+        found = {p.name for p in root.iterdir()}
+        if found:
+            raise DemoError(
+                f"--out {root}: directory is not empty and was not made by replicheck demo; "
+                "give a new or empty directory"
+            )
+    marker.write_text(json.dumps({"found": sorted(found), "created": None}))
+
+
+def _seal_out_dir(root: Path) -> None:
+    """Record what this run created, so the next run removes exactly that."""
+    marker = root / MARKER
+    found = set(json.loads(marker.read_text())["found"])
+    created = sorted({p.name for p in root.iterdir()} - found - {MARKER})
+    marker.write_text(json.dumps({"found": sorted(found), "created": created}))
+
+
 def _prepare(config: DemoConfig, say: _Printer) -> _Plan:
     """A fresh output directory and the scenario's job, with checkpoints and incidents in it."""
+    scenario = _scenario(config.scenario)  # validated before anything on disk is touched
     root = Path(config.out_dir)
-    if root.exists():
-        import shutil
-
-        shutil.rmtree(root)
-    (root / "incidents").mkdir(parents=True)
-    scenario = _scenario(config.scenario)
+    _claim_out_dir(root)
+    (root / "incidents").mkdir()
     job = resolve(scenario, JobDefaults(nodes=config.nodes, gpus_per_node=1, steps=config.steps))
     per = job.gpus_per_node
     names = [f"node{i}" for i in range(job.nodes)]
     ranks_nodes = [names[r // per] for r in range(job.world)]
     if job.spec.guard is None:
         raise ValueError(f"scenario {scenario.name!r} runs no guard")
-    guard = dataclasses.replace(job.spec.guard, incident_dir=str(root / "incidents"), job_id="demo-job")
+    # The demo writes the incident itself, annotated with its checkpoint (_recommend), as a job
+    # with a checkpoint store does: incident files are never overwritten, so the guard writes none.
+    guard = dataclasses.replace(job.spec.guard, incident_dir=None, job_id="demo-job")
     spec = dataclasses.replace(
         job.spec,
         guard=guard,
@@ -352,6 +405,7 @@ def _finish(
     facts["png"] = str(png) if png else None
     path = root / "demo.json"
     path.write_text(json.dumps(facts, indent=2, default=str))
+    _seal_out_dir(root)
     say(
         "files",
         f"{path}, {root / 'incidents'}"

@@ -291,32 +291,62 @@ def json_safe(value: Any) -> Any:
     return value
 
 
-def make_incident_id(job_id: str, step: int, check: str) -> str:
-    """The id every rank computes for the same detection, so duplicates merge."""
-    return f"{job_id}-s{step}-{check}"
+def make_incident_id(job_id: str, step: int, check: str, attempt: str = "") -> str:
+    """The id every rank computes for the same detection, so duplicates merge. ``attempt`` (a
+    restarted job's ``r1``/``t2``...) keeps a restart's incident at the same step distinct."""
+    return f"{job_id}-{attempt}-s{step}-{check}" if attempt else f"{job_id}-s{step}-{check}"
 
 
-def write_incident(incident: Incident, directory: str | os.PathLike[str]) -> Path:
-    """Write ``incident`` to ``directory`` atomically (temp file, fsync, rename); return its path."""
+INCIDENT_FILE_MODE = 0o640
+"""Default permissions of an incident file: the owner writes, the group (a controller running
+as another user of the job's group) reads, others nothing."""
+
+
+def write_incident(
+    incident: Incident, directory: str | os.PathLike[str], *, mode: int = INCIDENT_FILE_MODE
+) -> Path:
+    """Write ``incident`` to ``directory`` atomically (temp file, fsync, link); return its path.
+
+    An existing file is never overwritten: the same content again returns the existing path,
+    a different incident under the same name goes to ``NAME.1.json``, ``NAME.2.json``... The
+    file gets ``mode`` (default ``0o640``), whatever the umask."""
+    if not isinstance(mode, int) or isinstance(mode, bool) or not 0 <= mode <= 0o777:
+        raise ValueError(f"incident file mode must be permission bits 0..0o777, got {mode!r}")
     target_dir = Path(directory)
     target_dir.mkdir(parents=True, exist_ok=True)
-    target = target_dir / f"{_safe_name(incident.id)}.json"
+    body = incident.to_json()
     fd, tmp = tempfile.mkstemp(prefix=".incident-", suffix=".tmp", dir=target_dir)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(incident.to_json())
+            fh.write(body)
             fh.flush()
+            os.fchmod(fh.fileno(), mode)
             os.fsync(fh.fileno())
-        os.replace(tmp, target)
-    except BaseException:
+        target = _link_new(Path(tmp), target_dir, _safe_name(incident.id), body)
+    finally:
         Path(tmp).unlink(missing_ok=True)
-        raise
     dir_fd = os.open(target_dir, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
     return target
+
+
+def _link_new(tmp: Path, directory: Path, stem: str, body: str) -> Path:
+    """Hard-link ``tmp`` under the first free name (link never replaces an existing file)."""
+    for n in range(10_000):
+        target = directory / (f"{stem}.json" if n == 0 else f"{stem}.{n}.json")
+        try:
+            os.link(tmp, target)
+            return target
+        except FileExistsError:
+            try:
+                if target.read_text(encoding="utf-8") == body:
+                    return target  # the same incident again (a retry): nothing new to keep
+            except OSError:
+                pass
+    raise FileExistsError(f"{directory}: 10000 incident files named {stem}*.json already")
 
 
 def read_incident(path: str | os.PathLike[str]) -> Incident:

@@ -81,13 +81,21 @@ def test_duplicates_from_every_rank_merge_into_one(tmp_path: Path) -> None:
 
 
 def test_differing_duplicate_keeps_first_and_is_audited(tmp_path: Path) -> None:
-    """A duplicate id with different content keeps the first copy and leaves an audit entry."""
+    """A duplicate id with different content keeps the first copy, is stored as a distinct
+    incident (never merged: issue 12) and leaves an audit entry."""
     with Controller(tmp_path / "c.db") as ctl:
         first = make_incident(nodes=("n2",))
         ctl.ingest(first)
-        ctl.ingest(make_incident(nodes=("n3",)))
+        other = ctl.ingest(make_incident(nodes=("n3",)))
         assert ctl.store.get_incident(first.id).incident == first
-        assert any(a.what == "duplicate merged" for a in ctl.store.audit_rows())
+        assert any(a.what == "distinct incident" for a in ctl.store.audit_rows())
+        assert other.new and other.incident_id != first.id and other.incident_id.startswith(first.id + "+")
+        assert ctl.store.get_incident(first.id).deliveries == 1
+        assert ctl.store.get_incident(other.incident_id).incident.suspect_nodes == ("n3",)
+        assert len(ctl.records()) == 2
+        assert (
+            ctl.ingest(make_incident(nodes=("n3",))).incident_id == other.incident_id
+        )  # its own copy merges
 
 
 @pytest.mark.parametrize(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
@@ -21,7 +22,19 @@ _COMMANDS = (
     "incidents",
     "nodes",
     "audit",
+    "launch",
 )
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("replicheck")
+    except PackageNotFoundError:  # running from a source tree that was not installed
+        from replicheck import __version__
+
+        return __version__
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,6 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
         prog="replicheck",
         description="Detect silent data corruption in distributed PyTorch training and recover.",
     )
+    parser.add_argument("--version", action="version", version=f"replicheck {_version()}")
+    from replicheck.cli._logging import add_logging_arguments
+
+    add_logging_arguments(parser)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in _COMMANDS:
         try:
@@ -46,8 +63,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     func = getattr(args, "func", None)
     if func is None:
-        parser.print_help(sys.stderr)
-        return 2
+        # Bare ``replicheck``: the help is what was asked for, not a usage error.
+        parser.print_help(sys.stdout)
+        return 0
+    from replicheck.cli._logging import configure_logging
     from replicheck.cli._support import run_guarded
 
-    return run_guarded(func, args)
+    configure_logging(args)
+    try:
+        return run_guarded(func, args)
+    except BrokenPipeError:
+        # The reader went away (``| head``): stop quietly; point stdout at /dev/null so the
+        # interpreter's final flush does not raise again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0

@@ -11,6 +11,10 @@ if TYPE_CHECKING:
     from replicheck.controller.model import Record
 
 
+RECORD_HEADER = esc(f"{'INCIDENT':<36} {'STATE':<18} {'JOB':<10} {'NODES':<16} REASON")
+NODE_HEADER = esc(f"{'NODE':<16} {'STATE':<14} {'PARTITIONS':<12} REASON")
+
+
 def record_line(r: Record) -> str:
     nodes = ",".join(r.targets) or "-"
     return esc(f"{r.incident_id:<36} {r.state.value:<18} {r.job_id:<10} {nodes:<16} {r.reason}")

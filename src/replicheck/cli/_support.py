@@ -32,6 +32,19 @@ def db_path(args: argparse.Namespace) -> str:
     return str(args.db or os.environ.get("REPLICHECK_DB") or DEFAULT_DB)
 
 
+def existing_db_path(args: argparse.Namespace) -> str:
+    """The database a read-only verb opens: it must exist (a read never creates state)."""
+    from replicheck.controller.errors import ConfigError
+
+    path = db_path(args)
+    if not os.path.isfile(path):
+        raise ConfigError(
+            f"no controller database at {path} (give --db PATH or set REPLICHECK_DB; "
+            "'replicheck controller run' or 'replicheck nodes add' creates one)"
+        )
+    return path
+
+
 def run_guarded(func: Callable[[argparse.Namespace], int | None], args: argparse.Namespace) -> int:
     """Run a command; a controller or database error is one escaped line on stderr, exit 2."""
     from replicheck.controller.errors import ControllerError

@@ -20,10 +20,10 @@ def register(subparsers: Any) -> None:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from replicheck.cli._support import db_path, esc, print_json
+    from replicheck.cli._support import esc, existing_db_path, print_json
     from replicheck.controller.store import Store
 
-    path = db_path(args)
+    path = existing_db_path(args)
     store = Store(path)
     try:
         check = store.verify_audit()

@@ -60,12 +60,13 @@ def register(subparsers: Any) -> None:
 
 
 class _Progress:
-    """tqdm when installed (the ``progress`` extra), else one line per update on stderr."""
+    """tqdm on a terminal when installed (the ``progress`` extra), else one plain line per update
+    on stderr: a bar's carriage-return frames would litter a pipe or a log file."""
 
     def __init__(self, total: int, desc: str, unit: str, enabled: bool) -> None:
         self.enabled, self.n, self.total, self.desc = enabled, 0, total, desc
         self._bar: Any = None
-        if enabled:
+        if enabled and sys.stderr.isatty():
             try:
                 from tqdm import tqdm
 

@@ -111,12 +111,24 @@ def _run(args: argparse.Namespace) -> int:
         slurm_overrides={"slurm_conf": args.slurm_conf or os.environ.get("SLURM_CONF")},
     )
     config = settings.controller
+    from replicheck.controller.errors import ConfigError
+
+    for directory in args.watch:
+        if not os.path.isdir(directory):
+            raise ConfigError(f"--watch {directory}: no such directory")
+    for path in args.incident:
+        if not os.path.isfile(path):
+            raise ConfigError(f"--incident {path}: no such file")
     if args.watch:
         config = config.with_overrides(incident_dirs=tuple(config.incident_dirs) + tuple(args.watch))
     db = db_path(args)
     backend = make_backend(settings, db)
 
+    failed: list[str] = []
+
     def show(t: Any) -> None:
+        if t.to_state.value == "failed":
+            failed.append(t.incident_id)
         print(
             esc(f"{t.at} {t.incident_id}: {t.from_state.value} -> {t.to_state.value} ({t.reason})"),
             flush=True,
@@ -128,13 +140,15 @@ def _run(args: argparse.Namespace) -> int:
         status = ingest_files(ctl, args.incident)
         if not config.apply:
             print("dry-run: destructive actions are not performed (pass --apply to act)", flush=True)
+        else:
+            _release_dry_run(ctl)
         stop = threading.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
         max_passes = 1 if args.once else args.passes
         if args.http is None:
             ctl.run(stop, max_passes=max_passes)
-            return status
+            return _outcome(ctl, status, failed)
         wake = threading.Event()  # set by the API after an incident is posted or decided
 
         def halt(*_: object) -> None:
@@ -155,7 +169,46 @@ def _run(args: argparse.Namespace) -> int:
                 wake.wait(config.poll_interval_s)
         finally:
             server.stop()
-        return status
+        return _outcome(ctl, status, failed)
+
+
+EXIT_FAILED = 1
+"""``controller run`` exit status when an incident ended ``failed`` during the run."""
+
+
+def _release_dry_run(ctl: Any) -> None:
+    """Actions a dry run put off are due now that ``--apply`` is given (not after the dry run's
+    poll interval), so ``run --apply --once`` right after a dry run acts."""
+    from replicheck.controller.executor import DRY_RUN_NOTE
+    from replicheck.timefmt import utc_iso_us
+
+    now = utc_iso_us()
+    with ctl.store.transaction():
+        for row in ctl.store.actions():
+            if row.status == "pending" and row.last_error == DRY_RUN_NOTE and row.next_attempt_at > now:
+                ctl.store.defer_action(row.key, "released: --apply given", now)
+
+
+def _outcome(ctl: Any, status: int, failed: list[str]) -> int:
+    """Say what is still waiting (and until when), and exit non-zero when something failed."""
+    from replicheck.cli._support import esc
+    from replicheck.timefmt import utc_iso_us
+
+    now = utc_iso_us()
+    for row in ctl.store.actions():
+        if row.status == "pending" and row.next_attempt_at > now:
+            node = f" {row.node}" if row.node else ""
+            print(
+                esc(
+                    f"deferred: {row.incident_id} {row.kind.value}{node} until {row.next_attempt_at}"
+                    f" ({row.last_error or 'not yet due'})"
+                ),
+                flush=True,
+            )
+    if failed:
+        print(esc(f"failed: {', '.join(failed)} (see: replicheck incidents show ID)"), flush=True)
+        return max(status, EXIT_FAILED)
+    return status
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -10,7 +10,11 @@ import sys
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("demo", help="detect, cordon, triage, approve, replace and resume on a local cluster")
     p.add_argument("--scenario", default="aws-persistent-3n", help="campaign scenario to play")
-    p.add_argument("--out", default="demo-out", help="output directory (recreated)")
+    p.add_argument(
+        "--out",
+        default="demo-out",
+        help="output directory: new, empty, or an earlier demo's (a non-empty other directory is refused)",
+    )
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--yes", action="store_true", help="approve without asking (also when no terminal)")
     p.add_argument("--json", action="store_true", help="print the facts as JSON at the end")
@@ -31,7 +35,14 @@ def run(args: argparse.Namespace) -> int:
         approve=ask if interactive else None,
         approver="operator" if interactive else "demo --yes",
     )
-    facts = run_demo(cfg)
+    from replicheck.demo import DemoError
+    from replicheck.faults.errors import FaultConfigError
+
+    try:
+        facts = run_demo(cfg)
+    except (DemoError, FaultConfigError) as exc:
+        print(f"replicheck demo: error: {exc}", file=sys.stderr)
+        return 2
     if args.json:
         print(
             json.dumps(

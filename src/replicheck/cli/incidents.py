@@ -41,18 +41,18 @@ def register(subparsers: Any) -> None:
         add_db_argument(p)
 
 
-def _controller(args: argparse.Namespace) -> Any:
-    from replicheck.cli._support import db_path
+def _controller(args: argparse.Namespace, *, read_only: bool = False) -> Any:
+    from replicheck.cli._support import db_path, existing_db_path
     from replicheck.controller import Controller
 
-    return Controller(db_path(args))
+    return Controller(existing_db_path(args) if read_only else db_path(args))
 
 
 def _list(args: argparse.Namespace) -> int:
-    from replicheck.cli._render import record_line
+    from replicheck.cli._render import RECORD_HEADER, record_line
     from replicheck.cli._support import esc, excerpt, print_json
 
-    with _controller(args) as ctl:
+    with _controller(args, read_only=True) as ctl:
         if args.rejected:
             rows = ctl.store.rejected_rows()
             if args.json:
@@ -69,6 +69,10 @@ def _list(args: argparse.Namespace) -> int:
         if args.json:
             print_json([dataclasses.asdict(r) | {"state": r.state.value} for r in records])
             return 0
+        if records:
+            print(RECORD_HEADER)
+        else:
+            print("no incidents", file=sys.stderr)
         for r in records:
             print(record_line(r))
         rejected = len(ctl.store.rejected_rows())
@@ -83,7 +87,7 @@ def _show(args: argparse.Namespace) -> int:
     from replicheck.cli._render import record_detail
     from replicheck.cli._support import esc, print_json
 
-    with _controller(args) as ctl:
+    with _controller(args, read_only=True) as ctl:
         view = ctl.show(args.id)
         if args.json:
             print_json(

@@ -1,40 +1,106 @@
-"""``replicheck nodes``: the cluster's nodes as the controller's backend sees them."""
+"""``replicheck nodes [list] | nodes add NAME...``: the cluster's nodes as the controller's backend
+sees them, and declaring the nodes of the ``local`` (simulated) backend."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import os
+import sys
 from typing import Any
 
 from replicheck.controller.wiring import BACKENDS
 
 
-def register(subparsers: Any) -> None:
-    from replicheck.cli._support import add_db_argument
-
-    parser = subparsers.add_parser("nodes", help="list the nodes of the controller's cluster backend")
-    add_db_argument(parser)
+def _list_options(parser: argparse.ArgumentParser, *, leaf: bool) -> None:
+    """The listing options, on ``nodes`` itself and on ``nodes list``. On the leaf their default
+    is SUPPRESS, so ``nodes --db X list`` keeps X (a subparser's defaults would overwrite it)."""
+    keep = {"default": argparse.SUPPRESS} if leaf else {"default": None}
+    parser.add_argument(
+        "--db",
+        metavar="PATH",
+        help="controller database (default: $REPLICHECK_DB or ./replicheck-controller.db)",
+        **keep,
+    )
     parser.add_argument(
         "--backend",
         choices=BACKENDS,
-        default=None,
         help="backend (default: the one `controller run` last used with this database)",
+        **keep,
     )
+    parser.add_argument("--slurm-conf", metavar="PATH", help="slurm.conf (default: $SLURM_CONF)", **keep)
     parser.add_argument(
-        "--slurm-conf", default=None, metavar="PATH", help="slurm.conf (default: $SLURM_CONF)"
+        "--json",
+        action="store_true",
+        help="machine-readable output",
+        **({"default": argparse.SUPPRESS} if leaf else {"default": False}),
     )
-    parser.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "nodes", help="list the cluster's nodes; declare the nodes of the local backend"
+    )
+    _list_options(parser, leaf=False)
     parser.set_defaults(func=_nodes)
+    sub = parser.add_subparsers(dest="nodes_command", metavar="ACTION")
+    p = sub.add_parser("list", help="the nodes and their states (the default action)")
+    _list_options(p, leaf=True)
+    p.set_defaults(func=_nodes)
+    p = sub.add_parser(
+        "add",
+        help="declare nodes of the local (simulated) backend; creates the database if needed",
+    )
+    p.add_argument("names", nargs="+", metavar="NAME")
+    p.add_argument("--partition", default="main", help="partition of the nodes (default: main)")
+    p.add_argument("--spare", action="store_true", help="spare nodes, swapped in by a replacement")
+    p.add_argument(
+        "--db", metavar="PATH", default=argparse.SUPPRESS, help="controller database (default: as for nodes)"
+    )
+    p.set_defaults(func=_add)
+
+
+def _add(args: argparse.Namespace) -> int:
+    from replicheck.cli._support import db_path, esc
+    from replicheck.controller.backends.base import validate_node_name
+    from replicheck.controller.backends.local import LocalBackend
+    from replicheck.controller.store import Store
+    from replicheck.controller.wiring import settings_from_json
+
+    for name in args.names:  # all or nothing: a bad name adds none
+        validate_node_name(name)
+    db = db_path(args)
+    store = Store(db)
+    try:
+        backend = settings_from_json(store.get_meta("settings")).backend
+    finally:
+        store.close()
+    if backend != "local":
+        from replicheck.controller.errors import ConfigError
+
+        raise ConfigError(
+            f"{db} drives the {backend} backend; only the local backend's nodes are declared here"
+        )
+    local = LocalBackend(db)
+    try:
+        known = {n.name for n in local.list_nodes()}
+        for name in args.names:
+            local.add_node(name, partition=args.partition, spare=args.spare)
+            role = "spare" if args.spare else "active"
+            note = "" if name not in known else " (already declared, left as is)"
+            print(esc(f"{name}: {role} in partition {args.partition}{note}"))
+    finally:
+        local.close()
+    return 0
 
 
 def _nodes(args: argparse.Namespace) -> int:
-    from replicheck.cli._render import node_line
-    from replicheck.cli._support import db_path, print_json
+    from replicheck.cli._render import NODE_HEADER, node_line
+    from replicheck.cli._support import existing_db_path, print_json
     from replicheck.controller.store import Store
     from replicheck.controller.wiring import make_backend, settings_from_json
 
-    db = db_path(args)
+    db = existing_db_path(args)
     store = Store(db)
     try:
         settings = settings_from_json(store.get_meta("settings"))
@@ -50,6 +116,11 @@ def _nodes(args: argparse.Namespace) -> int:
     if args.json:
         print_json([dataclasses.asdict(n) for n in nodes])
         return 0
+    if not nodes:
+        hint = " (declare them: replicheck nodes add NAME...)" if settings.backend == "local" else ""
+        print(f"no nodes in the {settings.backend} backend{hint}", file=sys.stderr)
+        return 0
+    print(NODE_HEADER)
     for n in nodes:
         print(node_line(n))
     return 0

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as _dt
+import hashlib
+import logging
 import os
 import pwd
 import re
@@ -45,6 +47,8 @@ PERSON_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9 ._@+-]{0,63}")
 no newline, tab, control or non-ASCII character that could forge or hide a line."""
 RESERVED_NAMES = frozenset({"auto-approve", "controller", "replicheck", "system"})
 """Approver names the controller uses itself (with its configured ``actor``): refused for people."""
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -129,6 +133,7 @@ class Controller:
             if new:
                 self.store.save_record(initial_record(incident), now)
                 self.store.audit(now, self.config.actor, "ingested", f"from {source}", incident.id)
+                log.info("ingested incident %s (job %s) from %s", incident.id, incident.job_id, source)
             elif merge == "filled":
                 record = self.store.get_record(incident.id)
                 resuming = action_key(record.incident_id, ActionKind.RESUME, record.job_id)
@@ -143,13 +148,25 @@ class Controller:
                         incident.id,
                     )
             elif merge == "differs":
+                # Same id, other content (e.g. two jobs without a job id): a distinct incident,
+                # stored under an id derived from its content; never merged into the first.
+                digest = hashlib.sha256(incident.to_json().encode()).hexdigest()[:12]
+                distinct = dataclasses.replace(incident, id=f"{incident.id}+{digest}")
                 self.store.audit(
                     now,
                     self.config.actor,
-                    "duplicate merged",
-                    f"copy from {source} differs from the first; first copy kept",
+                    "distinct incident",
+                    f"copy from {source} differs from the stored one; kept as {distinct.id}",
                     incident.id,
                 )
+        if merge == "differs":
+            log.warning(
+                "incident %s from %s differs from the stored copy; stored as %s",
+                incident.id,
+                source,
+                distinct.id,
+            )
+            return self.ingest(distinct, source)
         return IngestResult(source, incident.id, new=new)
 
     def ingest_file(self, path: str | Path) -> IngestResult:
@@ -186,6 +203,7 @@ class Controller:
         now = self._now()
         error = parsed.error or "invalid"
         with self.store.transaction():
+            log.warning("rejected input %s: %s", parsed.source, error)
             if self.store.reject(parsed.source, error, parsed.content, now):
                 self.store.audit(now, self.config.actor, "rejected input", f"{parsed.source}: {error}")
         return IngestResult(parsed.source, None, rejected=error)
@@ -293,6 +311,15 @@ class Controller:
             elif step.record.reason != record.reason:
                 self.store.audit(now, actor, record.state.value, step.record.reason, incident_id)
         if changed:
+            level = logging.ERROR if t.to_state.value == "failed" else logging.INFO
+            log.log(
+                level,
+                "incident %s: %s -> %s (%s)",
+                incident_id,
+                t.from_state.value,
+                t.to_state.value,
+                t.reason,
+            )
             made.append(t)
             if self._on_transition is not None:
                 self._on_transition(t)

@@ -213,7 +213,8 @@ class Store:
 
         Returns (new, merge): merge is "same" for an identical copy, "filled" when the copy only
         adds a recommended_checkpoint the first lacked (the stored copy is updated), and
-        "differs" otherwise (the first copy is kept; the caller audits it).
+        "differs" otherwise (nothing is stored or counted: the caller stores it as a distinct
+        incident under a derived id).
         """
         body = incident.to_json()
         with self.transaction():
@@ -225,20 +226,21 @@ class Store:
                     (incident.id, incident.job_id, body, source, now, now),
                 )
                 return True, "same"
-            self._db.execute(
-                "UPDATE incidents SET deliveries=deliveries+1, last_seen=? WHERE id=?", (now, incident.id)
-            )
             old, new = _comparable(row[0]), _comparable(body)
-            if old == new:
-                return False, "same"
-            if (
+            filled = (
                 old.get("recommended_checkpoint") is None
                 and new.get("recommended_checkpoint") is not None
                 and {**old, "recommended_checkpoint": None} == {**new, "recommended_checkpoint": None}
-            ):
+            )
+            if old != new and not filled:
+                return False, "differs"  # not a copy of this incident: nothing is merged
+            self._db.execute(
+                "UPDATE incidents SET deliveries=deliveries+1, last_seen=? WHERE id=?", (now, incident.id)
+            )
+            if filled:
                 self._db.execute("UPDATE incidents SET body=? WHERE id=?", (body, incident.id))
                 return False, "filled"
-            return False, "differs"
+            return False, "same"
 
     def get_incident(self, incident_id: str) -> IncidentRow:
         row = self._db.execute(

@@ -50,6 +50,7 @@ from replicheck.faults.sites import (
     Targets,
     WeightGradient,
     WeightsAtRest,
+    check_names,
     context,
 )
 from replicheck.guard.context import PassName
@@ -175,7 +176,10 @@ class Fault:
     what: Pattern = field(default_factory=lambda: BitFlip(field="mantissa"))
     """What it does to a value (default: flip a random mantissa bit)."""
     rank: int | None = None
-    """The faulty rank; ``None``: whichever rank installs it."""
+    """The faulty rank (``.on_rank(R)``); ``None`` needs ``all_ranks`` in a multi-rank job."""
+    all_ranks: bool = False
+    """Act on every rank that installs it (``.on_all_ranks()``): an explicit choice, because a
+    fault on every rank is no longer one bad device."""
     seed: int = 0
     """Seed of positions, bits and intermittent draws."""
     passes: tuple[PassName, ...] | None = None
@@ -256,7 +260,11 @@ class Fault:
 
     # -- who --------------------------------------------------------------------------------
     def on_rank(self, rank: int) -> Fault:
-        return dataclasses.replace(self, rank=rank)
+        return dataclasses.replace(self, rank=rank, all_ranks=False)
+
+    def on_all_ranks(self) -> Fault:
+        """Act on every rank (say so explicitly: the default in a multi-rank job is an error)."""
+        return dataclasses.replace(self, rank=None, all_ranks=True)
 
     def seeded(self, seed: int) -> Fault:
         return dataclasses.replace(self, seed=seed)
@@ -272,7 +280,7 @@ class Fault:
 
     def describe(self) -> str:
         where = self.where.describe() if self.where is not None else "<nowhere>"
-        who = "" if self.rank is None else f" on rank {self.rank}"
+        who = " on every rank" if self.all_ranks else ("" if self.rank is None else f" on rank {self.rank}")
         return f"{self.what.describe()} in {where}, {self.when.describe()}{who}"
 
     def install(
@@ -282,18 +290,37 @@ class Fault:
         optimizer: torch.optim.Optimizer | None = None,
         guard: Any = None,
         rank: int | None = None,
+        world_size: int | None = None,
     ) -> FaultHandle:
         """Hook the fault into ``model`` (a DDP wrapper is looked through) on the chosen rank.
 
-        ``rank`` is this process's rank (default: the torch.distributed rank, or 0).
+        Call it on every rank: each one checks the fault against the model and the job, so a
+        mistake is the same clear FaultConfigError everywhere (not an error on the target rank
+        and a transport error on the others). ``rank`` / ``world_size`` are this process's rank
+        and the job's size (default: torch.distributed's, or 0 and 1).
         """
         if self.where is None:
             raise FaultConfigError("the fault has no site: start from Fault.at_*(...)")
         me = _this_rank() if rank is None else rank
+        # Unknown only when the caller names its rank outside torch.distributed (simulations).
+        world = world_size if world_size is not None else _world_size(explicit_rank=rank is not None)
+        if world is None:
+            pass
+        elif self.rank is None and not self.all_ranks and world > 1:
+            raise FaultConfigError(
+                f"the fault names no rank in a {world}-rank job: choose .on_rank(R) with R in "
+                f"0..{world - 1}, or .on_all_ranks()"
+            )
+        elif self.rank is not None and self.rank >= world:
+            raise FaultConfigError(
+                f"the fault is on rank {self.rank} but the job has {world} rank(s) (0..{world - 1}): "
+                "it would never act"
+            )
+        bare = unwrap(model)
+        check_names(self.where, bare)  # on every rank, before anything is hooked
         active = self.rank is None or self.rank == me
         handle = FaultHandle(self, me, active)
         if active:
-            bare = unwrap(model)
             handle._removers = self.where.install(
                 Targets(model=bare, optimizer=optimizer, guard=guard), handle
             )
@@ -304,3 +331,11 @@ def _this_rank() -> int:
     import torch.distributed as dist
 
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _world_size(*, explicit_rank: bool) -> int | None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return None if explicit_rank else 1  # no process group and no rank given: one process

@@ -41,18 +41,39 @@ class Targets:
     guard: Any = None
 
 
+_SHOWN_NAMES = 60
+"""At most this many valid names are listed in an error (a big model has thousands)."""
+
+
+def _valid(kind: str, name: str, names: list[str]) -> FaultConfigError:
+    shown = ", ".join(repr(n) for n in names[:_SHOWN_NAMES])
+    more = f", ... ({len(names) - _SHOWN_NAMES} more)" if len(names) > _SHOWN_NAMES else ""
+    return FaultConfigError(f"no {kind} named {name!r} in the model; valid names: {shown}{more}")
+
+
 def _module(model: torch.nn.Module, name: str) -> torch.nn.Module:
     modules = dict(model.named_modules())
     if name not in modules:
-        raise FaultConfigError(f"no module named {name!r} in the model")
+        raise _valid("module", name, [n for n in modules if n])
     return modules[name]
 
 
 def _param(model: torch.nn.Module, name: str) -> torch.nn.Parameter:
     params = dict(model.named_parameters())
     if name not in params:
-        raise FaultConfigError(f"no parameter named {name!r} in the model")
+        raise _valid("parameter", name, list(params))
     return params[name]
+
+
+def check_names(site: object, model: torch.nn.Module) -> None:
+    """Resolve the module or parameter ``site`` names in ``model`` (the bare model), raising
+    FaultConfigError with the valid names; installs nothing (run on every rank)."""
+    module = getattr(site, "module", None)
+    if isinstance(module, str):
+        _module(model, module)
+    param = getattr(site, "param", None)
+    if isinstance(param, str):
+        _param(model, param)
 
 
 @runtime_checkable

@@ -37,6 +37,9 @@ class GuardConfig:
     checkpoint's manifest), so an incident before this run's first verification still says it."""
     incident_dir: str | None = None
     """Directory the incident JSON is written to (by one healthy rank), or ``None``."""
+    incident_mode: int = 0o640
+    """Permission bits of the incident file: by default the group may read it (a controller
+    running as another user of the job's group); 0o600 keeps it to the job's user."""
     job_id: str | None = None
     """Job id for incidents; ``None`` reads it from the environment (Slurm job id, or "local")."""
     seed: int = 0
@@ -67,6 +70,10 @@ class GuardConfig:
     def __post_init__(self) -> None:
         if self.verify_every < 1:
             raise GuardConfigError(f"verify_every must be >= 1, got {self.verify_every}")
+        if not isinstance(self.incident_mode, int) or not 0 <= self.incident_mode <= 0o777:
+            raise GuardConfigError(
+                f"incident_mode must be permission bits 0..0o777, got {self.incident_mode!r}"
+            )
         if self.weights_every < 0:
             raise GuardConfigError(f"weights_every must be >= 0, got {self.weights_every}")
         if self.mode not in ("exact", "tolerant"):

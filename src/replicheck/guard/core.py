@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
@@ -38,6 +39,8 @@ from replicheck.guard.runtime import RuntimeInfo
 from replicheck.guard.verdict import Finding, tolerance
 from replicheck.guard.wire import ProbePayload, ProbeResult, StepRow
 from replicheck.incident import NodeIdentity
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -123,6 +126,8 @@ class Guard:
         )
         self._health = GradHealth(self._comm.group, digest_reduced=cfg.check_reduced and self.world_size > 1)
         self._hooked = self._install_comm_hook()
+        if cfg.mode == "exact" and not cfg.use_deterministic:
+            log.warning("exact mode without deterministic kernels: a replay may differ by kernel noise")
         self._batchnorms = [
             m for m in self._module.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
         ]
@@ -142,6 +147,8 @@ class Guard:
             ring=self._ring.order,
             mode=cfg.mode,
             incident_dir=cfg.incident_dir,
+            attempt=RuntimeInfo.attempt_from_env(),
+            incident_mode=cfg.incident_mode,
         )
 
     def _checked_params(self) -> list[tuple[str, torch.nn.Parameter]]:
@@ -161,6 +168,7 @@ class Guard:
             self._ddp_model.register_comm_hook(None, self._health.comm_hook)
         except RuntimeError:
             # The user owns the comm hook: checks then run after the all-reduce only.
+            log.warning("DDP comm hook already taken: gradient health is checked after the all-reduce only")
             return False
         return True
 
@@ -238,6 +246,9 @@ class Guard:
             self._optimizer.step()
         if verify:
             self.last_verified_step = s
+            log.info("step %d verified (replay) on rank %d", s, self.rank)
+        if check_replicas:
+            log.info("step %d weights and optimizer state agree across %d ranks", s, self.world_size)
         self._next_step = s + 1
         return StepResult(loss=row.loss, step=s, verified=verify, replicas_checked=check_replicas)
 

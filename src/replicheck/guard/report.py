@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -9,6 +10,7 @@ from typing import Any
 from replicheck.guard.config import Mode
 from replicheck.guard.verdict import Finding, primary
 from replicheck.incident import (
+    INCIDENT_FILE_MODE,
     Incident,
     NodeIdentity,
     Suspect,
@@ -16,6 +18,8 @@ from replicheck.incident import (
     make_incident_id,
     write_incident,
 )
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -36,6 +40,10 @@ class IncidentBuilder:
     """The guard's comparison mode."""
     incident_dir: str | None
     """Where the incident is written, or ``None``."""
+    attempt: str = ""
+    """Which restart of the job this is (see RuntimeInfo.attempt); part of the incident id."""
+    incident_mode: int = INCIDENT_FILE_MODE
+    """Permission bits of the incident file (default 0o640: the group may read it)."""
 
     @property
     def world_size(self) -> int:
@@ -59,7 +67,7 @@ class IncidentBuilder:
         evidence["ring"] = list(self.ring)
         evidence["mode"] = self.mode
         return Incident(
-            id=make_incident_id(self.job_id, step, main.check),
+            id=make_incident_id(self.job_id, step, main.check, self.attempt),
             job_id=self.job_id,
             step=step,
             check=main.check,
@@ -82,4 +90,5 @@ class IncidentBuilder:
 
     def write(self, incident: Incident) -> None:
         if self.incident_dir is not None and self.rank == self.writer_rank(incident):
-            write_incident(incident, self.incident_dir)
+            path = write_incident(incident, self.incident_dir, mode=self.incident_mode)
+            log.error("incident %s written to %s", incident.id, path)

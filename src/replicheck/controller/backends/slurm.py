@@ -265,6 +265,10 @@ class SlurmBackend:
             ) from exc
         if not isinstance(data, dict):
             raise PermanentBackendError(f"self-test on {node} printed JSON that is not an object")
+        if not isinstance(data.get("fingerprint"), str):  # could not run: no evidence either way
+            raise PermanentBackendError(
+                f"self-test on {node} could not run (exit {out.returncode}): {json.dumps(data.get('devices'))[:300]}"
+            )
         return data
 
     # --- resuming the job -------------------------------------------------------------------
