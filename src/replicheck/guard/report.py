@@ -9,6 +9,8 @@ from typing import Any
 from replicheck.guard.config import Mode
 from replicheck.guard.verdict import Finding, primary
 from replicheck.incident import (
+    HARDWARE_CLASSIFICATIONS,
+    Classification,
     Incident,
     NodeIdentity,
     Suspect,
@@ -51,7 +53,7 @@ class IncidentBuilder:
                 **json_safe(f.evidence),
                 "suspects": list(f.suspects),
                 "candidates": list(f.candidates),
-                "classification": f.classification if f.suspects else "ambiguous",
+                "classification": _classification(f),
             }
             for f in findings
         }
@@ -65,7 +67,7 @@ class IncidentBuilder:
             check=main.check,
             suspect_ranks=tuple(main.suspects),
             suspect_nodes=tuple(dict.fromkeys(names)),
-            classification=main.classification if main.suspects else "ambiguous",
+            classification=_classification(main),
             suspects=suspects,
             candidates=candidates,
             evidence=evidence,
@@ -83,3 +85,10 @@ class IncidentBuilder:
     def write(self, incident: Incident) -> None:
         if self.incident_dir is not None and self.rank == self.writer_rank(incident):
             write_incident(incident, self.incident_dir)
+
+
+def _classification(f: Finding) -> Classification:
+    """A finding that names nobody is ambiguous, unless it says why nobody is to blame."""
+    if f.suspects or f.classification not in HARDWARE_CLASSIFICATIONS:
+        return f.classification
+    return "ambiguous"
