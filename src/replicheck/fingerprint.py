@@ -15,7 +15,7 @@ collective.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
@@ -198,23 +198,25 @@ def named_weights(module: torch.nn.Module, which: Weights) -> list[tuple[str, to
     return [(n, p) for n, p in module.named_parameters() if which != "trainable" or p.requires_grad]
 
 
-def named_state(module: torch.nn.Module, which: Weights) -> list[tuple[str, torch.Tensor]]:
+def named_state(
+    module: torch.nn.Module, which: Weights, *, per_rank: Collection[str] = ()
+) -> list[tuple[str, torch.Tensor]]:
     """The tensors a ``which`` digest covers: :func:`named_weights`, then (for ``replicated``)
     the buffers replicas share, in ``named_buffers()`` order.
 
     Running statistics of normalisation layers are left out: each rank updates them from its own
     batch in forward (DDP re-broadcasts rank 0's only at the next forward), so replicas differ
-    there by design.
+    there by design, and so are the buffers named in ``per_rank``.
     """
     named: list[tuple[str, torch.Tensor]] = list(named_weights(module, which))
     if which == "replicated":
-        per_rank = {
+        skip = {
             id(b)
             for m in module.modules()
             if isinstance(m, (torch.nn.modules.batchnorm._NormBase))
             for b in m.buffers(recurse=False)
         }
-        named += [(n, b) for n, b in module.named_buffers() if id(b) not in per_rank]
+        named += [(n, b) for n, b in module.named_buffers() if id(b) not in skip and n not in per_rank]
     return named
 
 
@@ -223,9 +225,9 @@ def weights_digest(tensors: Iterable[torch.Tensor | None]) -> int:
     return int(combine(digests(list(tensors))))
 
 
-def model_digest(module: torch.nn.Module, which: Weights) -> int:
+def model_digest(module: torch.nn.Module, which: Weights, *, per_rank: Collection[str] = ()) -> int:
     """:func:`weights_digest` of the tensors :func:`named_state` selects."""
-    return weights_digest(t for _, t in named_state(module, which))
+    return weights_digest(t for _, t in named_state(module, which, per_rank=per_rank))
 
 
 OptimizerState = Mapping[Any, Mapping[str, Any]]

@@ -64,9 +64,6 @@ def _refusals(ctx: RankContext) -> dict[str, str]:
         _guard(DistributedDataParallel(Tiny(), static_graph=True), ctx)
 
     def mixed_precision() -> None:
-        from torch.distributed.algorithms.ddp_comm_hooks.mixed_precision_hooks import (  # noqa: F401
-            _AllreduceUpcastHookState,
-        )
         from torch.nn.parallel.distributed import _MixedPrecision
 
         mp = _MixedPrecision(param_dtype=torch.float16, reduce_dtype=torch.float32)
@@ -200,7 +197,8 @@ def test_incident_write_failure_still_raises_corruption_everywhere(tmp_path: Pat
 def _frozen_job(ctx: RankContext, what: str) -> str:
     torch.manual_seed(0)
     model = DistributedDataParallel(Tiny())
-    guard = _guard(model, ctx, verify_every=100, weights_every=0)
+    per_rank = ("scale",) if what == "per_rank_buffer" else ()
+    guard = _guard(model, ctx, verify_every=100, weights_every=0, per_rank_buffers=per_rank)
     for s in range(2):
         guard.step(_batch(s, ctx.rank))
     if ctx.rank == 2:
@@ -217,12 +215,14 @@ def _frozen_job(ctx: RankContext, what: str) -> str:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("what", ["frozen", "buffer"])
+@pytest.mark.parametrize("what", ["frozen", "buffer", "per_rank_buffer"])
 def test_changed_frozen_weight_or_buffer_fails_check_replicas(what: str) -> None:
     """A frozen (requires_grad=False) weight or a constant buffer changed on one replica is seen by
-    check_replicas(), which names that rank (and so no checkpoint is marked verified)."""
+    check_replicas(), which names that rank (and so no checkpoint is marked verified); a buffer the
+    user declares per-rank is left out."""
     results = run_local(_frozen_job, node_names(3, 1), args=(what,), timeout=100)
-    assert results == ["weights:[2]"] * 3
+    expected = "passed" if what == "per_rank_buffer" else "weights:[2]"
+    assert results == [expected] * 3
 
 
 # -- inputs -------------------------------------------------------------------------------------

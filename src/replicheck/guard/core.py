@@ -196,6 +196,10 @@ class Guard:
             ) from None
         return True
 
+    def _weights_digest(self) -> int:
+        """Every parameter (frozen ones too) and every buffer replicas share."""
+        return fp.model_digest(self._module, "replicated", per_rank=self._config.per_rank_buffers)
+
     def _count_ddp_forward(self, module: torch.nn.Module, args: object) -> None:
         self._ddp_entries += 1
 
@@ -239,7 +243,7 @@ class Guard:
         """Collective: compare weights and optimizer state now; raise CorruptionDetected if they differ."""
         step = self._next_step - 1
         row = torch.tensor(
-            [fp.model_digest(self._module, "replicated"), fp.optimizer_digest(self._optimizer)],
+            [self._weights_digest(), fp.optimizer_digest(self._optimizer)],
             dtype=torch.int64,
         )
         rows = self._comm.gather_rows(row)
@@ -340,8 +344,7 @@ class Guard:
                 self._failure = exc
         if self._failure is not None and self._ddp_entries == entered:
             self._ddp_collectives_of_forward()
-        flags = self._comm.gather_rows(torch.tensor([int(self._failure is not None)], dtype=torch.int64))
-        self._stop_on_failure(s, [bool(f) for f in flags[:, 0].tolist()])
+        self._stop_on_failure(s, self._comm.host_flags(self._failure is not None))
         if loss is None:  # unreachable: a failure above has raised
             raise GuardError("internal: forward produced no loss")
         return loss
@@ -380,7 +383,7 @@ class Guard:
         """This rank's contribution to the step's all-gather (the ring exchange runs here)."""
         loss = float(sum(w * part.double() for w, part in done.losses))
         local_norm, reduced = self._health.local_norm(), self._health.reduced_digest()
-        weights = fp.model_digest(self._module, "replicated") if check_replicas else 0
+        weights = self._weights_digest() if check_replicas else 0
         opt = fp.optimizer_digest(self._optimizer) if check_replicas else 0
         if own is None:
             return StepRow(
