@@ -240,11 +240,11 @@ class Sample:
 class ComplexNet(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.w = nn.Parameter(torch.randn(4, 4, dtype=torch.complex64))
+        self.w = nn.Parameter(torch.randn(4, 4, dtype=torch.complex128))
         self.head = nn.Linear(4, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head((x.to(torch.complex64) @ self.w).abs())
+        return self.head((x.to(torch.complex128) @ self.w).abs().float())
 
 
 def _record_loss(module: nn.Module, batch: Any) -> torch.Tensor:
