@@ -15,7 +15,7 @@ collective.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
@@ -57,10 +57,11 @@ def _words(t: torch.Tensor, fold_zero: bool) -> torch.Tensor:
         flat = flat + 0.0
     if flat.dtype == torch.bool:
         flat = flat.to(torch.uint8)
+    if flat.is_complex():
+        # Real and imaginary parts as consecutive values (complex128 is 16 bytes: no int of that size).
+        flat = torch.view_as_real(flat).reshape(-1)
     size = flat.element_size()
     ints = flat.view(_INT_OF_SIZE[size]) if flat.dtype.is_floating_point or size != 8 else flat
-    if flat.is_complex():
-        ints = torch.view_as_real(flat).reshape(-1).view(_INT_OF_SIZE[size // 2])
     per_word = 8 // ints.element_size()
     if per_word > 1 and ints.numel() % per_word == 0 and ints.storage_offset() % per_word == 0:
         return ints.view(torch.int64)
@@ -131,6 +132,8 @@ def sketch(t: torch.Tensor | None, *, seed: int, k: int = 4) -> torch.Tensor:
     if t is None:
         return torch.zeros(k + 1, dtype=torch.float64)
     flat = t.detach().reshape(-1)
+    if flat.is_complex():
+        flat = torch.view_as_real(flat).reshape(-1)
     if not flat.is_floating_point():
         flat = flat.to(torch.float32)
     compute = torch.float32 if flat.dtype in (torch.float16, torch.bfloat16) else flat.dtype
@@ -178,16 +181,43 @@ def sketch_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 # -- digests of training state: one definition for the guard, the checkpoint store, the harness --
 
-Weights = Literal["trainable", "all"]
-"""Which parameters a weights digest covers: those with ``requires_grad`` (what the guard
-checks across replicas) or every parameter (what a checkpoint holds)."""
+Weights = Literal["trainable", "all", "replicated"]
+"""Which tensors a weights digest covers: the parameters with ``requires_grad`` (what the
+optimizer updates), every parameter (what a checkpoint's manifest fingerprints), or
+``replicated``: every parameter, frozen ones included, plus every buffer that data-parallel
+replicas hold identically (what the guard compares across replicas, so a changed frozen base
+weight of a LoRA model or a changed constant buffer is seen)."""
+
+_WHICH = ("trainable", "all", "replicated")
 
 
 def named_weights(module: torch.nn.Module, which: Weights) -> list[tuple[str, torch.nn.Parameter]]:
     """``module``'s parameters covered by a ``which`` digest, in ``named_parameters()`` order."""
-    if which not in ("trainable", "all"):
-        raise ValueError(f"which must be 'trainable' or 'all', got {which!r}")
-    return [(n, p) for n, p in module.named_parameters() if which == "all" or p.requires_grad]
+    if which not in _WHICH:
+        raise ValueError(f"which must be one of {', '.join(_WHICH)}, got {which!r}")
+    return [(n, p) for n, p in module.named_parameters() if which != "trainable" or p.requires_grad]
+
+
+def named_state(
+    module: torch.nn.Module, which: Weights, *, per_rank: Collection[str] = ()
+) -> list[tuple[str, torch.Tensor]]:
+    """The tensors a ``which`` digest covers: :func:`named_weights`, then (for ``replicated``)
+    the buffers replicas share, in ``named_buffers()`` order.
+
+    Running statistics of normalisation layers are left out: each rank updates them from its own
+    batch in forward (DDP re-broadcasts rank 0's only at the next forward), so replicas differ
+    there by design, and so are the buffers named in ``per_rank``.
+    """
+    named: list[tuple[str, torch.Tensor]] = list(named_weights(module, which))
+    if which == "replicated":
+        skip = {
+            id(b)
+            for m in module.modules()
+            if isinstance(m, (torch.nn.modules.batchnorm._NormBase))
+            for b in m.buffers(recurse=False)
+        }
+        named += [(n, b) for n, b in module.named_buffers() if id(b) not in skip and n not in per_rank]
+    return named
 
 
 def weights_digest(tensors: Iterable[torch.Tensor | None]) -> int:
@@ -195,9 +225,9 @@ def weights_digest(tensors: Iterable[torch.Tensor | None]) -> int:
     return int(combine(digests(list(tensors))))
 
 
-def model_digest(module: torch.nn.Module, which: Weights) -> int:
-    """:func:`weights_digest` of the parameters :func:`named_weights` selects."""
-    return weights_digest(p for _, p in named_weights(module, which))
+def model_digest(module: torch.nn.Module, which: Weights, *, per_rank: Collection[str] = ()) -> int:
+    """:func:`weights_digest` of the tensors :func:`named_state` selects."""
+    return weights_digest(t for _, t in named_state(module, which, per_rank=per_rank))
 
 
 OptimizerState = Mapping[Any, Mapping[str, Any]]

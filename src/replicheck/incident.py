@@ -21,13 +21,25 @@ from typing import Any, Literal
 from replicheck.timefmt import utc_iso
 
 SCHEMA = "replicheck.incident"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+"""Version written. 2 added the classifications ``data`` and ``divergence``: a reader of version 1
+would reject them as malformed, so they come with a version that such a reader names as
+unsupported (upgrade the controller first). Nothing else changed: version 1 is still read."""
+READABLE_VERSIONS: tuple[int, ...] = (1, 2)
+"""Versions this build reads."""
 
 Check = Literal["replay", "gradients", "reduced_gradients", "weights", "optimizer_state"]
-Classification = Literal["persistent", "transient", "ambiguous"]
+Classification = Literal["persistent", "transient", "ambiguous", "data", "divergence"]
 
 CHECKS: tuple[Check, ...] = ("replay", "gradients", "reduced_gradients", "weights", "optimizer_state")
-CLASSIFICATIONS: tuple[Classification, ...] = ("persistent", "transient", "ambiguous")
+CLASSIFICATIONS: tuple[Classification, ...] = ("persistent", "transient", "ambiguous", "data", "divergence")
+"""``persistent``: the suspect gives the same wrong answer when it re-runs its work (hardware).
+``transient``: its re-run differs (a one-off fault; triage). ``ambiguous``: the evidence could not
+tell the candidates apart. ``data``: another rank on another device reproduced the bad result, so
+the data or the model produces it (no node is blamed). ``divergence``: most ranks went bad at
+once, so the model diverged (no node is blamed)."""
+HARDWARE_CLASSIFICATIONS: frozenset[Classification] = frozenset({"persistent", "transient", "ambiguous"})
+"""Classifications that may name a node to act on; ``data`` and ``divergence`` never do."""
 
 # The input grammar the controller enforces at ingest (docs/controller.md). Plain ASCII only, so
 # a value can reach a scheduler's argv or a terminal without quoting or escaping.
@@ -120,7 +132,8 @@ class Incident:
     suspect_nodes: tuple[str, ...]
     """Node names of the suspect ranks (or of the candidates when ambiguous)."""
     classification: Classification
-    """persistent (same wrong answer on re-run), transient (re-run differs), or ambiguous."""
+    """persistent (same wrong answer on re-run), transient (re-run differs), ambiguous, data
+    (reproduced on another device: not hardware) or divergence (most ranks at once)."""
     suspects: tuple[Suspect, ...] = ()
     """Suspect ranks with full node identity (hostname, Slurm / Kubernetes name, instance id)."""
     candidates: tuple[Suspect, ...] = ()
@@ -157,10 +170,14 @@ class Incident:
         if data.get("schema") != SCHEMA:
             raise IncidentFormatError(f"not a replicheck incident (schema={_short(data.get('schema'))})")
         version = data.get("version")
-        if version != SCHEMA_VERSION:
+        if isinstance(version, bool) or version not in READABLE_VERSIONS:
             raise IncidentFormatError(
-                f"unsupported incident version {_short(version)}; this build reads version {SCHEMA_VERSION}"
+                f"unsupported incident version {_short(version)}; this build reads versions "
+                f"{', '.join(map(str, READABLE_VERSIONS))}"
             )
+        classification = _req_classification(data)
+        if version == 1 and classification not in HARDWARE_CLASSIFICATIONS:
+            raise IncidentFormatError(f"classification {classification!r} needs incident version 2")
         return cls(
             id=_req_str(data, "id"),
             job_id=_req_str(data, "job_id"),
@@ -168,7 +185,7 @@ class Incident:
             check=_req_check(data),
             suspect_ranks=tuple(_int_list(data, "suspect_ranks")),
             suspect_nodes=tuple(_str_list(data, "suspect_nodes")),
-            classification=_req_classification(data),
+            classification=classification,
             suspects=tuple(Suspect.from_dict(s) for s in _obj_list(data, "suspects")),
             candidates=tuple(Suspect.from_dict(s) for s in _obj_list(data, "candidates")),
             evidence=_req_mapping(data, "evidence", default={}),

@@ -152,7 +152,7 @@ def _breaking(rng: random.Random, data: dict[str, Any]) -> tuple[str, Callable[[
                 )
             ),
         ),
-        ("wrong version", _set(("version",), rng.choice((0, 2, "1", None)))),
+        ("wrong version", _set(("version",), rng.choice((0, 99, "1", None)))),
         ("suspects not list", _set((people,), {"0": 1})),
         ("evidence not object", _set(("evidence",), [1, 2])),
     ]

@@ -252,3 +252,24 @@ def test_record_round_trips_through_json() -> None:
         resume={"detail": "d"},
     )
     assert Record.from_json(r.to_json()) == r
+
+
+@pytest.mark.parametrize("classification", ["data", "divergence"])
+def test_data_and_divergence_never_cordon_or_replace(classification: str) -> None:
+    """A data-borne or divergence incident is recorded and waits for a person: no cordon, no
+    self-test, no auto-approval, and an approval resumes the job without replacing any node,
+    even when the record lists nodes."""
+    r = initial_record(make_incident(classification=classification, nodes=("n2", "n3")))
+    assert r.targets == ()
+    step = transition(r, tick(auto_approve=True, triage=True, triage_persistent=True))
+    assert step.actions == () and step.record.state is State.AWAITING_APPROVAL
+    assert step.record.reason.startswith(classification) and "no node is cordoned" in step.record.reason
+    waiting = transition(step.record, tick(auto_approve=True))
+    assert waiting.record.state is State.AWAITING_APPROVAL and waiting.actions == ()
+    approved = transition(waiting.record, Approved(by="alice", at=NOW)).record
+    # Even a record that somehow kept targets is never replaced.
+    step = transition(approved.evolve(targets=("n2",)), tick())
+    assert step.record.state is State.REPLACED and step.actions == ()
+    resume = transition(step.record, tick())
+    assert [a.kind for a in resume.actions] == [ActionKind.RESUME]
+    assert transition(waiting.record, Dismissed(by="bob", at=NOW)).record.state is State.DISMISSED

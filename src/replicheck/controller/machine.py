@@ -25,17 +25,27 @@ from replicheck.controller.model import (
     TriageResult,
     action_key,
 )
-from replicheck.incident import Classification, Incident
+from replicheck.incident import HARDWARE_CLASSIFICATIONS, Classification, Incident
 
 NEEDS_TRIAGE: frozenset[Classification] = frozenset({"ambiguous", "transient"})
 
+_NO_NODE_NOTE = {
+    "data": "another device reproduced the bad result, so the data or the model produces it",
+    "divergence": "most ranks went bad at once, so the model diverged",
+}
+
 
 def initial_record(incident: Incident) -> Record:
-    """The record of a newly ingested incident: the nodes to act on, in first-seen order."""
+    """The record of a newly ingested incident: the nodes to act on, in first-seen order.
+
+    A ``data`` or ``divergence`` incident names no node to act on, whatever else it lists.
+    """
     names = list(incident.suspect_nodes)
     names += [s.node.name for s in incident.suspects]
     if not names:
         names += [c.node.name for c in incident.candidates]
+    if incident.classification not in HARDWARE_CLASSIFICATIONS:
+        names = []
     targets = tuple(dict.fromkeys(names))
     checkpoint = dict(incident.recommended_checkpoint) if incident.recommended_checkpoint else None
     return Record(
@@ -157,6 +167,15 @@ def _on_tick(record: Record, tick: Tick) -> Step:
     if record.outstanding:
         return Step(record)
     state = record.state
+    if state is State.DETECTED and record.classification not in HARDWARE_CLASSIFICATIONS:
+        # Not a hardware fault: nothing is cordoned or replaced; a person decides what follows.
+        return _move(
+            record.evolve(targets=()),
+            State.AWAITING_APPROVAL,
+            f"{record.classification}: {_NO_NODE_NOTE.get(record.classification, 'not a hardware fault')}; "
+            "no node is cordoned or replaced. Fix the cause, then dismiss, or approve to resume "
+            "the job from its checkpoint",
+        )
     if state is State.DETECTED:
         todo = [
             t for t in record.targets if t not in record.cordoned and t not in dict(record.cordon_skipped)
@@ -198,7 +217,8 @@ def _on_tick(record: Record, tick: Tick) -> Step:
     if state is State.TRIAGING:
         return _after_triage(record)
     if state is State.AWAITING_APPROVAL:
-        if tick.auto_approve:
+        # auto_approve is for replacing hardware; a data or divergence incident waits for a person.
+        if tick.auto_approve and record.classification in HARDWARE_CLASSIFICATIONS:
             return _move(
                 record.evolve(approved_by="auto-approve", approved_at=tick.now),
                 State.APPROVED,
@@ -274,7 +294,7 @@ def _after_triage(record: Record) -> Step:
 
 
 def _start_replacement(record: Record, tick: Tick) -> Step:
-    if not record.targets:
+    if not record.targets or record.classification not in HARDWARE_CLASSIFICATIONS:
         return _move(record, State.REPLACED, "nothing to replace (no node named)")
     needed = len(record.targets)
     if tick.replacements_in_window + needed > tick.max_replacements:

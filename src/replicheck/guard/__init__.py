@@ -8,6 +8,8 @@ from replicheck.guard.errors import (
     CorruptionDetected,
     GuardConfigError,
     GuardError,
+    GuardMisuseError,
+    PeerFailed,
 )
 from replicheck.guard.ring import Ring
 
@@ -18,6 +20,8 @@ __all__ = [
     "GuardConfig",
     "GuardConfigError",
     "GuardError",
+    "GuardMisuseError",
+    "PeerFailed",
     "Ring",
     "StepResult",
     "current_pass",

@@ -1,8 +1,15 @@
-"""Batches as pytrees of tensors whose dimension 0 is the sample dimension."""
+"""Batches as pytrees of tensors whose dimension 0 is the sample dimension.
+
+Containers: dicts, lists, tuples, named tuples and dataclass instances (the last are not torch
+pytree nodes, so they are walked here field by field).
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import io
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -11,9 +18,39 @@ from torch.utils import _pytree as pytree
 from replicheck.guard.errors import BatchError
 
 
+def _is_record(x: Any) -> bool:
+    return dataclasses.is_dataclass(x) and not isinstance(x, type)
+
+
+def _rebuilt(obj: Any, values: dict[str, Any]) -> Any:
+    """A copy of dataclass instance ``obj`` with its fields set to ``values`` (no __init__ rerun)."""
+    out = object.__new__(type(obj))
+    for name, value in values.items():
+        object.__setattr__(out, name, value)
+    return out
+
+
+def tree_map(fn: Callable[[Any], Any], batch: Any) -> Any:
+    """``fn`` applied to every leaf of ``batch``, containers (dataclasses included) kept."""
+
+    def leaf(x: Any) -> Any:
+        if _is_record(x):
+            return _rebuilt(x, {f.name: tree_map(fn, getattr(x, f.name)) for f in dataclasses.fields(x)})
+        return fn(x)
+
+    return pytree.tree_map(leaf, batch, is_leaf=_is_record)
+
+
+def tree_leaves(batch: Any) -> list[Any]:
+    """The leaves of ``batch`` in order, dataclass fields included."""
+    out: list[Any] = []
+    tree_map(out.append, batch)
+    return out
+
+
 def batch_size(batch: Any) -> int:
     """The shared size of dimension 0 of every tensor leaf of ``batch``."""
-    leaves = [x for x in pytree.tree_leaves(batch) if isinstance(x, torch.Tensor)]
+    leaves = [x for x in tree_leaves(batch) if isinstance(x, torch.Tensor)]
     if not leaves:
         raise BatchError("a batch must contain at least one tensor")
     dims = [int(x.shape[0]) if x.dim() else None for x in leaves]
@@ -33,21 +70,69 @@ def split(batch: Any, n: int) -> tuple[Any, Any]:
     def tail(x: Any) -> Any:
         return x[n:] if isinstance(x, torch.Tensor) else x
 
-    return pytree.tree_map(head, batch), pytree.tree_map(tail, batch)
+    return tree_map(head, batch), tree_map(tail, batch)
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
-    return pytree.tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, batch)
+    return tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, batch)
+
+
+# Named tuples and dataclasses cross ranks as tagged tuples of their fields: torch.load with
+# weights_only=True (no arbitrary code from another process) cannot rebuild user classes.
+_RECORD_TAG = "replicheck.record/1"
+
+
+def _to_wire(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu()
+    if _is_record(x) or (isinstance(x, tuple) and hasattr(x, "_fields")):
+        names = [f.name for f in dataclasses.fields(x)] if _is_record(x) else list(x._fields)
+        cls = type(x)
+        return (_RECORD_TAG, cls.__module__, cls.__qualname__, {n: _to_wire(getattr(x, n)) for n in names})
+    if isinstance(x, dict):
+        return {k: _to_wire(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_to_wire(v) for v in x)
+    return x
+
+
+def _record_class(module: str, qualname: str) -> type:
+    try:
+        obj: Any = importlib.import_module(module)
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as exc:
+        raise BatchError(
+            f"a batch of type {module}.{qualname} cannot be rebuilt on this rank: {exc}"
+        ) from None
+    if not isinstance(obj, type) or not (
+        dataclasses.is_dataclass(obj) or (issubclass(obj, tuple) and hasattr(obj, "_fields"))
+    ):
+        raise BatchError(f"{module}.{qualname} is not a named tuple or dataclass")
+    return obj
+
+
+def _from_wire(x: Any) -> Any:
+    if isinstance(x, tuple) and len(x) == 4 and x[0] == _RECORD_TAG:
+        cls = _record_class(x[1], x[2])
+        fields = {k: _from_wire(v) for k, v in x[3].items()}
+        if dataclasses.is_dataclass(cls):
+            return _rebuilt(object.__new__(cls), fields)
+        return cls(**fields)
+    if isinstance(x, dict):
+        return {k: _from_wire(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_from_wire(v) for v in x)
+    return x
 
 
 def pack(obj: Any) -> torch.Tensor:
     """Serialise ``obj`` (tensors moved to CPU) into a uint8 tensor for point-to-point sends."""
-    cpu = pytree.tree_map(lambda x: x.detach().cpu() if isinstance(x, torch.Tensor) else x, obj)
     buf = io.BytesIO()
-    torch.save(cpu, buf)
+    torch.save(_to_wire(obj), buf)
     return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
 
 
 def unpack(data: torch.Tensor) -> Any:
     # weights_only: a probe payload holds tensors, numbers, strings and containers only.
-    return torch.load(io.BytesIO(data.cpu().numpy().tobytes()), weights_only=True)
+    return _from_wire(torch.load(io.BytesIO(data.cpu().numpy().tobytes()), weights_only=True))

@@ -26,6 +26,7 @@ class Comm:
         self.device = (
             torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         )
+        self._host_group: dist.ProcessGroup | None = None
 
     def global_rank(self, group_rank: int) -> int:
         if not self.distributed or self.group is None:
@@ -40,6 +41,27 @@ class Comm:
         out = [torch.empty_like(local) for _ in range(self.world_size)]
         dist.all_gather(out, local, group=self.group)
         return torch.stack(out).cpu()
+
+    def host_flags(self, flag: bool) -> list[bool]:
+        """Every rank's ``flag``, gathered without touching the accelerator.
+
+        On NCCL a one-value all-gather of a device tensor waits for the device's queued work, so
+        the flags travel over a CPU (gloo) group created on first use (every rank calls this at
+        the same points, so the group is created symmetrically).
+        """
+        if self.world_size == 1:
+            return [flag]
+        whole_world = self.group is None or self.group == dist.group.WORLD
+        if self.device.type == "cpu" or not whole_world:
+            # new_group needs every process of the job; over a subgroup the device path is used.
+            return [bool(f) for f in self.gather_rows(torch.tensor([int(flag)]))[:, 0].tolist()]
+        if self._host_group is None:
+            ranks = [self.global_rank(r) for r in range(self.world_size)]
+            self._host_group = dist.new_group(ranks, backend="gloo")
+        local = torch.tensor([int(flag)], dtype=torch.int64)
+        out = [torch.empty_like(local) for _ in range(self.world_size)]
+        dist.all_gather(out, local, group=self._host_group)
+        return [bool(int(t.item())) for t in out]
 
     def gather_objects(self, obj: T) -> list[T]:
         """Every rank's ``obj`` (pickled), indexed by rank."""

@@ -62,6 +62,11 @@ class GuardConfig:
     calibration_verifications: int = 3
     """Tolerant mode: verification steps on which every rank also replays its own probe to
     measure the noise of its kernels."""
+    per_rank_buffers: tuple[str, ...] = ()
+    """Buffers (names as in ``named_buffers()`` of the bare module) that each rank updates from its
+    own data in forward, left out of the cross-replica weights comparison. Every other buffer and
+    every parameter (frozen ones included) is compared; running statistics of normalisation layers
+    are always left out."""
     rebuild_buckets_on_resume: bool = True
     """When ``start_step > 0``: run one synced backward (gradients discarded) before the first
     step, so DDP's rebuilt bucket layout, and therefore the all-reduce order, matches an

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import functools
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -16,11 +18,11 @@ from torch.nn.parallel import DistributedDataParallel
 from replicheck import fingerprint as fp
 from replicheck.guard import replicas
 from replicheck.guard.attribution import Criterion, LocalView, PairOutcome, Replayer, resolve_replay
-from replicheck.guard.batch import batch_size, split
+from replicheck.guard.batch import batch_size, split, to_device
 from replicheck.guard.comm import Comm
 from replicheck.guard.config import GuardConfig, ProbeMode
 from replicheck.guard.context import running
-from replicheck.guard.errors import BatchError, CorruptionDetected, GuardConfigError
+from replicheck.guard.errors import BatchError, CorruptionDetected, GuardConfigError, GuardError, PeerFailed
 from replicheck.guard.health import GradHealth, ReducedHook
 from replicheck.guard.probe import (
     BackwardPass,
@@ -36,6 +38,14 @@ from replicheck.guard.probe import (
 from replicheck.guard.report import IncidentBuilder
 from replicheck.guard.ring import Ring
 from replicheck.guard.runtime import RuntimeInfo
+from replicheck.guard.support import (
+    check_loss_fn,
+    check_model,
+    check_optimizer,
+    checked_loss,
+    step_gate,
+    unwrap_compiled,
+)
 from replicheck.guard.verdict import Finding, tolerance
 from replicheck.guard.wire import ProbePayload, ProbeResult, StepRow
 from replicheck.incident import NodeIdentity
@@ -109,12 +119,18 @@ class Guard:
         if not isinstance(cfg, GuardConfig):
             raise GuardConfigError("config must be a GuardConfig")
         self._config = cfg
+        model = unwrap_compiled(model)
+        check_loss_fn(loss_fn)
+        check_optimizer(optimizer)
         self._model, self._optimizer, self._loss_fn = model, optimizer, loss_fn
         self._ddp_model = model if isinstance(model, DistributedDataParallel) else None
         self._module: torch.nn.Module = self._ddp_model.module if self._ddp_model is not None else model
+        check_model(self._ddp_model, self._module)
+        self._failure: BaseException | None = None
         self._comm = Comm(self._ddp_model.process_group if self._ddp_model is not None else None)
         named = self._checked_params()
         self._params = [p for _, p in named]
+        self._device = self._params[0].device
 
         identity, job_id = _identity(node, cfg.job_id)
         self._nodes: tuple[NodeIdentity, ...] = tuple(self._comm.gather_objects(identity))
@@ -128,6 +144,17 @@ class Guard:
         self._hooked = self._install_comm_hook()
         if cfg.mode == "exact" and not cfg.use_deterministic:
             log.warning("exact mode without deterministic kernels: a replay may differ by kernel noise")
+        self._ddp_entries = 0
+        if self._ddp_model is not None:
+            self._ddp_model.register_forward_pre_hook(self._count_ddp_forward)
+        self._gate = step_gate(optimizer)
+        if self.world_size == 1:
+            warnings.warn(
+                "replicheck: world size 1, so a verification re-runs the probe on the same device: "
+                "only transient faults can be caught (a persistent fault gives the same wrong answer "
+                "twice). Run with 2 or more ranks to catch persistent faults.",
+                stacklevel=2,
+            )
         self._batchnorms = [
             m for m in self._module.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
         ]
@@ -166,11 +193,22 @@ class Guard:
             return False
         try:
             self._ddp_model.register_comm_hook(None, self._health.comm_hook)
-        except RuntimeError:
-            # The user owns the comm hook: checks then run after the all-reduce only.
-            log.warning("DDP comm hook already taken: gradient health is checked after the all-reduce only")
-            return False
+        except RuntimeError as exc:
+            # Falling back would lose which rank produced a bad local gradient: refuse instead.
+            raise GuardConfigError(
+                "the DDP model already has a communication hook (register_comm_hook, or DDP's "
+                "mixed_precision option); the guard needs that slot to check each rank's gradient "
+                "before the all-reduce. Remove the hook (for gradient compression, none is supported "
+                f"with the guard yet). DDP said: {exc}"
+            ) from None
         return True
+
+    def _weights_digest(self) -> int:
+        """Every parameter (frozen ones too) and every buffer replicas share."""
+        return fp.model_digest(self._module, "replicated", per_rank=self._config.per_rank_buffers)
+
+    def _count_ddp_forward(self, module: torch.nn.Module, args: object) -> None:
+        self._ddp_entries += 1
 
     # -- public -----------------------------------------------------------------------------
     @property
@@ -212,7 +250,8 @@ class Guard:
         """Collective: compare weights and optimizer state now; raise CorruptionDetected if they differ."""
         step = self._next_step - 1
         row = torch.tensor(
-            [fp.weights_digest(self._params), fp.optimizer_digest(self._optimizer)], dtype=torch.int64
+            [self._weights_digest(), fp.optimizer_digest(self._optimizer)],
+            dtype=torch.int64,
         )
         rows = self._comm.gather_rows(row)
         findings = replicas.findings(rows[:, 0].tolist(), rows[:, 1].tolist())
@@ -232,6 +271,7 @@ class Guard:
             self._rebuild_buckets(microbatches[0])
         self._optimizer.zero_grad(set_to_none=True)
         self._health.reset()
+        self._failure = None
 
         own = (
             self._own_probe(s, microbatches[0], sizes[0], sum(sizes), more=len(sizes) > 1) if verify else None
@@ -239,11 +279,16 @@ class Guard:
         done = self._backward(s, list(microbatches), sizes, own)
         row, view = self._local_row(s, done, own, check_replicas)
         rows = StepRow.decode(self._comm.gather_rows(row.encode()))
+        self._stop_on_failure(s, [r.failed for r in rows])
         findings = self._evaluate(s, rows, check_replicas, view, done.passes)
         if findings:
             self._raise(s, findings)
-        with running(s, "optimizer"):
-            self._optimizer.step()
+        self._gate.open = True
+        try:
+            with running(s, "optimizer"):
+                self._optimizer.step()
+        finally:
+            self._gate.open = False
         if verify:
             self.last_verified_step = s
             log.info("step %d verified (replay) on rank %d", s, self.rank)
@@ -280,7 +325,7 @@ class Guard:
                 weights[0] = (sizes[0] - own.payload.size) / total
         for i, mb in enumerate(mbs):
             with self._no_sync(i == len(mbs) - 1), running(s, "train"):
-                loss = self._loss_fn(self._model, mb)
+                loss = self._forward(s, functools.partial(self._loss_fn, self._model, mb), "training pass")
                 _backward(loss * weights[i])
             done.losses.append((weights[i], loss.detach()))
             done.passes.append(BackwardPass(batch=mb, weight=weights[i], seed=None))
@@ -288,7 +333,59 @@ class Guard:
             grads = [p.grad for p in self._params if p.grad is not None]
             self._health.observe_local(grads)
             self._health.observe_reduced(grads)
+        if self._health.errors and self._failure is None:
+            self._failure = self._health.errors[0]
         return done
+
+    # -- errors on one rank stop every rank in the step's next collective ----------------------
+    def _forward(self, s: int, run: Callable[[], object], where: str) -> torch.Tensor:
+        """One forward pass whose error on any rank stops every rank before the next backward.
+
+        The flag travels in a one-value all-gather after each forward: a rank that failed (here
+        or earlier in the step) re-raises its error, the others raise :class:`PeerFailed`, so
+        none waits in a gradient all-reduce until the process group's timeout.
+        """
+        loss: torch.Tensor | None = None
+        entered = self._ddp_entries
+        if self._failure is None:
+            try:
+                loss = checked_loss(run(), where)
+            except Exception as exc:  # noqa: BLE001 - re-raised on this rank by _stop_on_failure
+                self._failure = exc
+        if self._failure is not None and self._ddp_entries == entered:
+            self._ddp_collectives_of_forward()
+        self._stop_on_failure(s, self._comm.host_flags(self._failure is not None))
+        if loss is None:  # unreachable: a failure above has raised
+            raise GuardError("internal: forward produced no loss")
+        return loss
+
+    def _ddp_collectives_of_forward(self) -> None:
+        """The loss function failed before it called the DDP model: take part in the collectives
+        DDP runs at the start of its forward (buffer broadcast, bucket rebuild) as the other ranks
+        do, so they reach the failure flag instead of waiting in those collectives."""
+        if self._ddp_model is not None:
+            with contextlib.suppress(Exception):
+                self._ddp_model._pre_forward()  # type: ignore[no-untyped-call]  # private, untyped in torch
+
+    def _attempt(self, run: Callable[[], ProbeResult]) -> ProbeResult | None:
+        """Run a computation whose error is reported in the step's all-gather row, not raised here."""
+        if self._failure is not None:
+            return None
+        try:
+            return run()
+        except Exception as exc:  # noqa: BLE001 - re-raised on this rank by _stop_on_failure
+            self._failure = exc
+            return None
+
+    def _stop_on_failure(self, s: int, failed: Sequence[bool]) -> None:
+        ranks = tuple(r for r, f in enumerate(failed) if f)
+        if not ranks:
+            return
+        self._optimizer.zero_grad(set_to_none=True)
+        mine, self._failure = self._failure, None
+        if mine is not None:
+            raise mine
+        raise PeerFailed(s, ranks)
 
     def _local_row(
         self, s: int, done: _Backward, own: _OwnProbe | None, check_replicas: bool
@@ -296,11 +393,16 @@ class Guard:
         """This rank's contribution to the step's all-gather (the ring exchange runs here)."""
         loss = float(sum(w * part.double() for w, part in done.losses))
         local_norm, reduced = self._health.local_norm(), self._health.reduced_digest()
-        weights = fp.weights_digest(self._params) if check_replicas else 0
+        weights = self._weights_digest() if check_replicas else 0
         opt = fp.optimizer_digest(self._optimizer) if check_replicas else 0
         if own is None:
             return StepRow(
-                loss=loss, local_norm=local_norm, reduced=reduced, weights=weights, optimizer=opt
+                loss=loss,
+                local_norm=local_norm,
+                reduced=reduced,
+                weights=weights,
+                optimizer=opt,
+                failed=self._failure is not None,
             ), None
         view, distance, noise = self._verify_pair(s, own.payload)
         return StepRow(
@@ -312,6 +414,7 @@ class Guard:
             verified=True,
             pair_distance=distance,
             noise=noise,
+            failed=self._failure is not None,
         ), view
 
     # -- the verification pass --------------------------------------------------------------
@@ -335,14 +438,18 @@ class Guard:
                 seeded(seed, self._params[0].device),
                 deterministic(cfg.use_deterministic),
             ):
-                loss = self._loss_fn(self._model, probe_batch)
+                loss = self._forward(s, lambda: self._loss_fn(self._model, probe_batch), "probe")
                 _backward(loss * weight)
             result = ProbeResult(
                 float(loss.detach()), self._fingerprinter([q.grad for q in self._params], seed)
             )
             split_probe = _SplitProbe(loss=loss.detach(), weight=weight, rest=rest if size > p else None)
         else:
-            result = self._recompute.probe(probe_batch, weight=weight, seed=seed, step=s, pass_="probe")
+            # An error here stops every rank at the first training pass's forward.
+            computed = self._attempt(
+                lambda: self._recompute.probe(probe_batch, weight=weight, seed=seed, step=s, pass_="probe")
+            )
+            result = computed if computed is not None else ProbeResult(math.nan, torch.zeros(0))
         payload = ProbePayload(
             step=s, source=self.rank, batch=probe_batch, weight=weight, seed=seed, size=p, result=result
         )
@@ -355,13 +462,15 @@ class Guard:
         """Send our probe to our verifier, replay our source's probe; return the comparison."""
         verifier, source = self._ring.verifier_of(self.rank), self._ring.source_of(self.rank)
         received = ProbePayload.decode(self._comm.exchange([(verifier, own.encode())], [source])[source])
-        replayed = self._recompute.payload(received, s)
+        replayed = self._attempt(lambda: self._recompute.payload(received, s))
         mode = self._config.mode
+        if replayed is None:  # the error rides in the step's row and stops every rank
+            return LocalView(own=own, received=received, replayed=received.result), 0.0, 0.0
         distance = compare(received.result, replayed, mode, math.inf).distance
         noise = 0.0
         if mode == "tolerant" and self._calibrations < self._config.calibration_verifications:
-            again = self._recompute.payload(own, s)
-            noise = compare(own.result, again, mode, math.inf).distance
+            again = self._attempt(lambda: self._recompute.payload(own, s))
+            noise = compare(own.result, again, mode, math.inf).distance if again is not None else 0.0
         return LocalView(own=own, received=received, replayed=replayed), distance, noise
 
     # -- verdict ------------------------------------------------------------------------------
@@ -380,7 +489,14 @@ class Guard:
         if bad:
             findings.append(
                 replicas.gradient_finding(
-                    self._comm, bad, norms, bound, lambda: self._recompute.gradient_norm(passes, s)
+                    self._comm,
+                    bad,
+                    norms,
+                    bound,
+                    lambda: self._recompute.gradient_norm(passes, s),
+                    nodes=[n.name for n in self._nodes],
+                    work=[(p.batch, p.weight, p.seed) for p in passes],
+                    rerun_elsewhere=lambda w: self._recompute.gradient_norm(_passes(w, self._device), s),
                 )
             )
         if self._health.digest_reduced:
@@ -437,7 +553,11 @@ class Guard:
     def _raise(self, s: int, findings: list[Finding]) -> NoReturn:
         self._optimizer.zero_grad(set_to_none=True)
         incident = self._reporter.build(s, findings, self.last_verified_step)
-        self._reporter.write(incident)
+        try:
+            self._reporter.write(incident)
+        except OSError as exc:
+            # The step is stopped on every rank whether or not the record reached the disk.
+            raise CorruptionDetected(incident, write_error=str(exc)) from exc
         raise CorruptionDetected(incident)
 
     def _rebuild_buckets(self, batch: Any) -> None:
@@ -452,6 +572,13 @@ class Guard:
             _backward(loss)
         self._optimizer.zero_grad(set_to_none=True)
         self._health.reset()
+
+
+def _passes(work: object, device: torch.device) -> list[BackwardPass]:
+    """Another rank's passes of a step, as :func:`replicas.gradient_finding` sends them."""
+    if not isinstance(work, list):
+        raise GuardError(f"a peer sent {type(work).__name__} instead of its passes")
+    return [BackwardPass(batch=to_device(b, device), weight=float(w), seed=seed) for b, w, seed in work]
 
 
 def _backward(loss: torch.Tensor) -> None:

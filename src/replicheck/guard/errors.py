@@ -20,10 +20,29 @@ class BatchError(GuardError, ValueError):
 class CorruptionDetected(GuardError):
     """A check failed: the step's update was not applied. Raised on every rank alike."""
 
-    def __init__(self, incident: Incident) -> None:
+    def __init__(self, incident: Incident, write_error: str | None = None) -> None:
         self.incident = incident
+        self.write_error = write_error
+        """Why the incident file could not be written, when it could not (the step is stopped anyway)."""
         who = ", ".join(f"rank {r} on {n}" for r, n in zip(incident.suspect_ranks, incident.suspect_nodes))
         super().__init__(
             f"silent data corruption at step {incident.step}: check {incident.check!r}, "
             f"{incident.classification}, suspect: {who or 'undetermined'}"
+            + (f" (incident file NOT written: {write_error})" if write_error else "")
+        )
+
+
+class GuardMisuseError(GuardError, RuntimeError):
+    """The guard was used in a way that would change or skip what it checks (a clear message says how)."""
+
+
+class PeerFailed(GuardError):
+    """Another rank failed inside the same step (its error is raised there); this rank stops too."""
+
+    def __init__(self, step: int, ranks: tuple[int, ...]) -> None:
+        self.step = step
+        self.ranks = ranks
+        super().__init__(
+            f"step {step} stopped: rank(s) {', '.join(map(str, ranks))} raised an error inside the step "
+            "(see that rank's traceback); no rank applied the update"
         )

@@ -32,12 +32,22 @@ class GradHealth:
     def reset(self) -> None:
         self._local_sq: list[torch.Tensor] = []
         self._reduced: dict[int, torch.Tensor] = {}
+        self.errors: list[Exception] = []
+        """Errors raised by reduced-gradient hooks this step (reported in the step's row, so
+        every rank stops instead of the failing one leaving the others in a collective)."""
+
+    def _run_hooks(self, index: int, t: torch.Tensor) -> None:
+        for hook in self.reduced_hooks:
+            try:
+                hook(index, t)
+            except Exception as exc:  # noqa: BLE001 - reported through the step's row
+                self.errors.append(exc)
 
     # -- DDP communication hook -------------------------------------------------------------
     def comm_hook(self, state: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
         buf = bucket.buffer()
         # Squared norm: one streaming read; NaN and Inf propagate into it.
-        self._local_sq.append(torch.linalg.vector_norm(buf, dtype=torch.float32).square())
+        self._local_sq.append(_sq_norm(buf))
         world = dist.get_world_size(self.group)
         buf.div_(world)
         work = dist.all_reduce(buf, group=self.group, async_op=True)
@@ -46,8 +56,7 @@ class GradHealth:
 
         def after(f: "torch.futures.Future[list[torch.Tensor]]") -> torch.Tensor:
             out = f.value()[0]
-            for hook in self.reduced_hooks:
-                hook(index, out)
+            self._run_hooks(index, out)
             if self.digest_reduced:
                 self._reduced[index] = fp.digest(out)
             return out
@@ -57,14 +66,12 @@ class GradHealth:
     # -- without DDP (world size 1, or a user-owned comm hook) -------------------------------
     def observe_local(self, grads: Sequence[torch.Tensor]) -> None:
         if grads:
-            norms = torch._foreach_norm(list(grads))
-            self._local_sq.append(torch.stack([n.float() for n in norms]).square().sum())
+            self._local_sq.append(torch.stack([_sq_norm(g) for g in grads]).sum())
 
     def observe_reduced(self, grads: Sequence[torch.Tensor]) -> None:
         if self.digest_reduced and grads:
-            for hook in self.reduced_hooks:
-                for i, g in enumerate(grads):
-                    hook(i, g)
+            for i, g in enumerate(grads):
+                self._run_hooks(i, g)
             self._reduced[0] = fp.combine(fp.digests(grads))
 
     # -- results ------------------------------------------------------------------------------
@@ -78,3 +85,13 @@ class GradHealth:
             return 0
         ordered = torch.stack([self._reduced[i].cpu() for i in sorted(self._reduced)])
         return int(fp.combine(ordered))
+
+
+def _sq_norm(t: torch.Tensor) -> torch.Tensor:
+    """Squared L2 norm as float64: low-precision and float32 buckets are reduced in float32, float64
+    in float64, complex as the norm of the magnitudes (NaN and Inf propagate)."""
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    dtype = torch.float64 if t.dtype == torch.float64 else torch.float32
+    norm: torch.Tensor = torch.linalg.vector_norm(t, dtype=dtype)
+    return norm.double().square()

@@ -44,45 +44,110 @@ def healthy(norm: float, bound: float | None) -> bool:
 
 @dataclass(frozen=True)
 class _GradientRerun:
-    """A rank's re-run of the step whose gradient alarmed."""
+    """A rank's re-run of the step whose gradient alarmed, and the same work re-run on a peer."""
 
     rank: int
     rerun_norm: float
-    classification: Classification
+    peer: int | None = None
+    peer_norm: float | None = None
 
-    def to_evidence(self) -> dict[str, Any]:
-        return {"rank": self.rank, "rerun_norm": self.rerun_norm, "classification": self.classification}
+    def classification(self, bound: float | None) -> Classification:
+        """``data`` when another device reproduces the bad gradient: any device computing this work
+        gets it, so the data or the model produces it, not the hardware."""
+        if self.peer_norm is not None and not healthy(self.peer_norm, bound):
+            return "data"
+        return "transient" if healthy(self.rerun_norm, bound) else "persistent"
+
+    def to_evidence(self, bound: float | None) -> dict[str, Any]:
+        out: dict[str, Any] = {"rank": self.rank, "rerun_norm": self.rerun_norm}
+        if self.peer is not None:
+            out.update(peer=self.peer, peer_rerun_norm=self.peer_norm)
+        out["classification"] = self.classification(bound)
+        return out
+
+
+def peer_for(rank: int, bad: Sequence[int], nodes: Sequence[str]) -> int | None:
+    """The healthy rank that re-runs ``rank``'s work: the next one after it on another node,
+    else the next healthy one on any node; ``None`` when every rank alarmed."""
+    world = len(nodes)
+    order = [(rank + i) % world for i in range(1, world)]
+    healthy_ranks = [r for r in order if r not in bad]
+    elsewhere = [r for r in healthy_ranks if nodes[r] != nodes[rank]]
+    choices = elsewhere or healthy_ranks
+    return choices[0] if choices else None
 
 
 def gradient_finding(
-    comm: Comm, bad: list[int], norms: list[float], bound: float | None, rerun_norm: Callable[[], float]
+    comm: Comm,
+    bad: list[int],
+    norms: list[float],
+    bound: float | None,
+    rerun_norm: Callable[[], float],
+    *,
+    nodes: Sequence[str] | None = None,
+    work: object = None,
+    rerun_elsewhere: Callable[[object], float] | None = None,
 ) -> Finding:
-    """Ranks whose local gradient was non-finite or too large; each re-runs its step to classify.
+    """Ranks whose local gradient was non-finite or too large, with each one's work re-run twice.
 
     ``rerun_norm`` repeats this rank's passes of the step as they ran and returns the local
-    gradient norm again; it runs on the ranks in ``bad`` only. Collective: every rank calls this
-    with the same ``bad``.
+    gradient norm again (on the ranks in ``bad``): a different answer is transient. ``work`` (this
+    rank's passes) is also sent to a healthy peer on another node, which re-runs it with
+    ``rerun_elsewhere``: the same bad gradient there means the data (or the model) produces it,
+    classified ``data`` and blamed on no node. When most ranks alarm at once it is divergence of
+    the model, not one device. Collective: every rank calls this with the same ``bad``.
     """
     evidence: dict[str, Any] = {"local_grad_norms": norms, "bound": bound}
     if len(bad) * 2 > comm.world_size and comm.world_size > 1:
-        # Most ranks at once looks like divergence of the model, not one bad device.
-        evidence["note"] = "most ranks produced bad gradients: not attributable to one device"
-        comm.gather_objects(None)
-        return Finding(check="gradients", candidates=tuple(bad), evidence=evidence)
-    mine = None
-    if comm.rank in bad:
-        again = rerun_norm()
-        mine = _GradientRerun(
-            rank=comm.rank,
-            rerun_norm=again,
-            classification="transient" if healthy(again, bound) else "persistent",
+        evidence["note"] = (
+            "most ranks produced bad gradients at once: the model diverged (learning rate, data, "
+            "numerics); no device is blamed"
         )
-    reruns = [r for r in comm.gather_objects(mine) if r is not None]
-    evidence["reruns"] = [r.to_evidence() for r in reruns]
-    by_rank = {r.rank: r.classification for r in reruns}
+        evidence["ranks"] = list(bad)
+        return Finding(check="gradients", classification="divergence", evidence=evidence)
+    peers: dict[int, int] = {}
+    if nodes is not None and rerun_elsewhere is not None and comm.world_size > 1:
+        for b in bad:
+            p = peer_for(b, bad, nodes)
+            if p is not None:
+                peers[b] = p
+    me = comm.rank
+    inbox = (
+        comm.exchange(
+            [(peers[me], work)] if me in peers else [], [b for b in sorted(peers) if peers[b] == me]
+        )
+        if peers
+        else {}
+    )
+    elsewhere = {b: rerun_elsewhere(w) for b, w in inbox.items()} if rerun_elsewhere else {}
+    again = rerun_norm() if me in bad else None
+    reports = comm.gather_objects((again, elsewhere))
+    peer_norms = {b: n for _, got in reports for b, n in got.items()}
+    reruns = [
+        _GradientRerun(
+            rank=b,
+            rerun_norm=_or_nan(reports[b][0]),
+            peer=peers.get(b),
+            peer_norm=peer_norms.get(b),
+        )
+        for b in bad
+    ]
+    evidence["reruns"] = [r.to_evidence(bound) for r in reruns]
+    device = [r for r in reruns if r.classification(bound) != "data"]
+    if not device:
+        evidence["note"] = (
+            "every bad gradient was reproduced by another rank on another device: the data or the "
+            "model produces it (for example a sample whose loss is inf), not the hardware; no node "
+            "is blamed"
+        )
+        return Finding(check="gradients", classification="data", evidence=evidence)
     return Finding(
         check="gradients",
-        suspects=tuple(bad),
-        classification=by_rank.get(bad[0], "ambiguous"),
+        suspects=tuple(r.rank for r in device),
+        classification=device[0].classification(bound),
         evidence=evidence,
     )
+
+
+def _or_nan(x: float | None) -> float:
+    return math.nan if x is None else float(x)

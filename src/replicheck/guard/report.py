@@ -11,6 +11,8 @@ from replicheck.guard.config import Mode
 from replicheck.guard.verdict import Finding, primary
 from replicheck.incident import (
     INCIDENT_FILE_MODE,
+    HARDWARE_CLASSIFICATIONS,
+    Classification,
     Incident,
     NodeIdentity,
     Suspect,
@@ -59,7 +61,7 @@ class IncidentBuilder:
                 **json_safe(f.evidence),
                 "suspects": list(f.suspects),
                 "candidates": list(f.candidates),
-                "classification": f.classification if f.suspects else "ambiguous",
+                "classification": _classification(f),
             }
             for f in findings
         }
@@ -73,7 +75,7 @@ class IncidentBuilder:
             check=main.check,
             suspect_ranks=tuple(main.suspects),
             suspect_nodes=tuple(dict.fromkeys(names)),
-            classification=main.classification if main.suspects else "ambiguous",
+            classification=_classification(main),
             suspects=suspects,
             candidates=candidates,
             evidence=evidence,
@@ -92,3 +94,10 @@ class IncidentBuilder:
         if self.incident_dir is not None and self.rank == self.writer_rank(incident):
             path = write_incident(incident, self.incident_dir, mode=self.incident_mode)
             log.error("incident %s written to %s", incident.id, path)
+
+
+def _classification(f: Finding) -> Classification:
+    """A finding that names nobody is ambiguous, unless it says why nobody is to blame."""
+    if f.suspects or f.classification not in HARDWARE_CLASSIFICATIONS:
+        return f.classification
+    return "ambiguous"

@@ -148,8 +148,10 @@ class StepRow:
     """Distance between the source's claimed probe result and this rank's replay of it."""
     noise: float = 0.0
     """Replay-to-replay distance of this rank's own probe (tolerant-mode calibration)."""
+    failed: bool = False
+    """The rank raised an error inside the step (every rank then stops; that rank re-raises it)."""
 
-    WIDTH = 8
+    WIDTH = 9
     """Columns of the encoded row."""
 
     def encode(self) -> torch.Tensor:
@@ -163,6 +165,7 @@ class StepRow:
                 float_bits(self.pair_distance),
                 float_bits(self.noise),
                 float_bits(self.loss),
+                int(self.failed),
             ],
             dtype=torch.int64,
         )
@@ -182,6 +185,7 @@ class StepRow:
                 pair_distance=bits_float(pair),
                 noise=bits_float(noise),
                 loss=bits_float(loss),
+                failed=bool(failed),
             )
-            for norm, reduced, weights, opt, verified, pair, noise, loss in rows.tolist()
+            for norm, reduced, weights, opt, verified, pair, noise, loss, failed in rows.tolist()
         ]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from replicheck.incident import SCHEMA, SCHEMA_VERSION, Incident
+from replicheck.incident import READABLE_VERSIONS, SCHEMA, SCHEMA_VERSION, Incident
 
 
 def incident_schema() -> dict[str, Any]:
@@ -16,7 +16,11 @@ def incident_schema() -> dict[str, Any]:
     defs = raw.pop("$defs", {})
     props = raw.setdefault("properties", {})
     props["schema"] = {"const": SCHEMA, "type": "string", "description": "always " + SCHEMA}
-    props["version"] = {"const": SCHEMA_VERSION, "type": "integer", "description": "schema version"}
+    props["version"] = {
+        "enum": list(READABLE_VERSIONS),
+        "type": "integer",
+        "description": f"schema version (written: {SCHEMA_VERSION})",
+    }
     required = set(raw.get("required", [])) | {"schema", "version", "world_size", "time"}
     raw["required"] = sorted(required)
     raw["description"] = f"A replicheck incident record (version {SCHEMA_VERSION}); see replicheck.incident."
