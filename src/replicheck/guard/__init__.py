@@ -9,6 +9,7 @@ from replicheck.guard.errors import (
     GuardConfigError,
     GuardError,
 )
+from replicheck.guard.loss import LossReduction, LossSum
 from replicheck.guard.ring import Ring
 
 __all__ = [
@@ -18,6 +19,8 @@ __all__ = [
     "GuardConfig",
     "GuardConfigError",
     "GuardError",
+    "LossReduction",
+    "LossSum",
     "Ring",
     "StepResult",
     "current_pass",

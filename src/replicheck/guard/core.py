@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -21,10 +23,10 @@ from replicheck.guard.config import GuardConfig, ProbeMode
 from replicheck.guard.context import running
 from replicheck.guard.errors import BatchError, CorruptionDetected, GuardConfigError
 from replicheck.guard.health import GradHealth, ReducedHook
+from replicheck.guard.loss import LossFn, unpack
 from replicheck.guard.probe import (
     BackwardPass,
     Fingerprinter,
-    LossFn,
     Recompute,
     buffers_restored,
     compare,
@@ -60,8 +62,10 @@ class _SplitProbe:
 
     loss: torch.Tensor
     """The probe's (detached) loss."""
+    count: float | None
+    """Its item count when ``loss_fn`` returned a ``LossSum``."""
     weight: float
-    """Its share of the step's loss."""
+    """Its share of the step's loss (1 for a ``LossSum``: the step rescales at the end)."""
     rest: Any | None
     """The rest of the first micro-batch, or ``None`` when the probe took all of it."""
 
@@ -80,8 +84,8 @@ class _OwnProbe:
 class _Backward:
     """What the step's backward passes left behind."""
 
-    losses: list[tuple[float, torch.Tensor]]
-    """``(weight, detached loss)`` of every pass."""
+    loss: float
+    """The rank's loss for the step."""
     passes: list[BackwardPass]
     """The passes as they ran, for a re-run on the failure path."""
 
@@ -89,8 +93,9 @@ class _Backward:
 class Guard:
     """Owns one optimizer step of a (DDP) training job and checks it for silent corruption.
 
-    ``loss_fn(module, batch)`` returns the scalar mean loss; it is called with the DDP wrapper
-    for training passes and with the bare module for replays. With world size 1 a
+    ``loss_fn(module, batch)`` returns the scalar loss (its kind declared by
+    ``GuardConfig.loss_reduction``) or a :class:`~replicheck.guard.LossSum`; it is called with
+    the DDP wrapper for training passes and with the bare module for replays. With world size 1 a
     verification re-executes the probe on the same device, which catches transient faults only.
     """
 
@@ -134,6 +139,8 @@ class Guard:
         """The newest step whose verification passed (a resumed job may set it from its checkpoint)."""
         self._noise = 0.0
         self._calibrations = 0
+        self._loss_sum: bool | None = None  # whether loss_fn returns a LossSum; None: not seen yet
+        self._warned_split = False
         self._reporter = IncidentBuilder(
             job_id=job_id,
             rank=self.rank,
@@ -251,39 +258,75 @@ class Guard:
         )
 
     def _backward(self, s: int, mbs: list[Any], sizes: Sequence[int], own: _OwnProbe | None) -> _Backward:
-        """The training passes (after a split probe, the rest of the batch); the last one syncs."""
+        """The training passes (after a split probe, the rest of the batch); the last one syncs.
+
+        Plain losses are weighted by ``loss_reduction`` (sample share, or 1 for a sum). ``LossSum``
+        passes run unscaled and the gradient is divided by the step's item count just before
+        the last (synced) backward, so the all-reduced gradient is the unsplit one.
+        """
         total = sum(sizes)
-        weights = [n / total for n in sizes]
-        done = _Backward(losses=[], passes=[])
+        per_pass = 1.0 if self._config.loss_reduction == "sum" else None
+        weights = [per_pass if per_pass is not None else n / total for n in sizes]
+        parts: list[tuple[float, torch.Tensor, float | None]] = []  # (weight, loss, count)
+        passes: list[BackwardPass] = []
         if own is not None and own.split is not None:
             probe = own.split
-            done.losses.append((probe.weight, probe.loss))
-            done.passes.append(
-                BackwardPass(batch=own.payload.batch, weight=own.payload.weight, seed=own.payload.seed)
-            )
+            parts.append((probe.weight, probe.loss, probe.count))
+            passes.append(BackwardPass(batch=own.payload.batch, weight=probe.weight, seed=own.payload.seed))
             if probe.rest is None:
                 mbs.pop(0)
                 weights.pop(0)
             else:
                 mbs[0] = probe.rest
-                weights[0] = (sizes[0] - own.payload.size) / total
+                if per_pass is None:
+                    weights[0] = (sizes[0] - own.payload.size) / total
+        scale = 1.0
         for i, mb in enumerate(mbs):
-            with self._no_sync(i == len(mbs) - 1), running(s, "train"):
-                loss = self._loss_fn(self._model, mb)
-                _backward(loss * weights[i])
-            done.losses.append((weights[i], loss.detach()))
-            done.passes.append(BackwardPass(batch=mb, weight=weights[i], seed=None))
+            last = i == len(mbs) - 1
+            with self._no_sync(last), running(s, "train"):
+                loss, count = unpack(self._loss_fn(self._model, mb))
+                self._note_loss_kind(count)
+                w = weights[i]
+                if count is not None:
+                    w = 1.0
+                    if last:
+                        items = sum(c or 0.0 for _, _, c in parts) + count
+                        scale = w = 1.0 / items if items > 0 else 1.0
+                        self._scale_grads(scale)
+                _backward(loss * w)
+            parts.append((w, loss.detach(), count))
+            passes.append(BackwardPass(batch=mb, weight=w, seed=None))
+        if self._loss_sum:
+            passes = [dataclasses.replace(p, weight=scale) for p in passes]
+            step_loss = float(sum(part.double() for _, part, _ in parts)) * scale
+        else:
+            step_loss = float(sum(w * part.double() for w, part, _ in parts))
         if not self._hooked:
             grads = [p.grad for p in self._params if p.grad is not None]
             self._health.observe_local(grads)
             self._health.observe_reduced(grads)
-        return done
+        return _Backward(loss=step_loss, passes=passes)
+
+    def _note_loss_kind(self, count: float | None) -> None:
+        kind = count is not None
+        if self._loss_sum is not None and kind != self._loss_sum:
+            raise BatchError("loss_fn must return a LossSum on every call or on none")
+        self._loss_sum = kind
+
+    def _scale_grads(self, scale: float) -> None:
+        """Scale what earlier (unsynced) passes accumulated, before the synced pass adds to it."""
+        if scale == 1.0:
+            return
+        with torch.no_grad():
+            for p in self._params:
+                if p.grad is not None:
+                    p.grad.mul_(scale)
 
     def _local_row(
         self, s: int, done: _Backward, own: _OwnProbe | None, check_replicas: bool
     ) -> tuple[StepRow, LocalView | None]:
         """This rank's contribution to the step's all-gather (the ring exchange runs here)."""
-        loss = float(sum(w * part.double() for w, part in done.losses))
+        loss = done.loss
         local_norm, reduced = self._health.local_norm(), self._health.reduced_digest()
         weights = fp.weights_digest(self._params) if check_replicas else 0
         opt = fp.optimizer_digest(self._optimizer) if check_replicas else 0
@@ -305,9 +348,20 @@ class Guard:
 
     # -- the verification pass --------------------------------------------------------------
     def _probe_mode(self) -> ProbeMode:
-        if self._config.probe != "auto":
-            return self._config.probe
-        return "extra" if any(m.training for m in self._batchnorms) else "split"
+        """``split`` only where it leaves the update unchanged; else ``extra``."""
+        cfg = self._config
+        if cfg.probe == "extra" or (cfg.probe == "auto" and any(m.training for m in self._batchnorms)):
+            return "extra"
+        if self._loss_sum or cfg.loss_reduction != "unknown":
+            return "split"
+        if cfg.probe == "split" and self._loss_sum is False and not self._warned_split:
+            self._warned_split = True
+            warnings.warn(
+                "probe='split' needs a loss whose split is exact: return a LossSum from loss_fn or "
+                "set GuardConfig.loss_reduction; using probe='extra' so the update is unchanged",
+                stacklevel=3,
+            )
+        return "extra"
 
     def _own_probe(self, s: int, first: Any, size: int, total: int, more: bool) -> _OwnProbe:
         """Compute this rank's probe; in split mode it is also the first part of the real batch."""
@@ -315,7 +369,7 @@ class Guard:
         p = min(cfg.probe_size, size)
         probe_batch, rest = split(first, p)
         seed = probe_seed(cfg.seed, s, self.rank)
-        weight = p / total
+        weight = 1.0 if self._loss_sum or cfg.loss_reduction == "sum" else p / total
         split_probe = None
         if self._probe_mode() == "split" and (size > p or more):
             with (
@@ -324,12 +378,16 @@ class Guard:
                 seeded(seed, self._params[0].device),
                 deterministic(cfg.use_deterministic),
             ):
-                loss = self._loss_fn(self._model, probe_batch)
+                loss, count = unpack(self._loss_fn(self._model, probe_batch))
+                self._note_loss_kind(count)
+                weight = 1.0 if count is not None else weight
                 _backward(loss * weight)
             result = ProbeResult(
                 float(loss.detach()), self._fingerprinter([q.grad for q in self._params], seed)
             )
-            split_probe = _SplitProbe(loss=loss.detach(), weight=weight, rest=rest if size > p else None)
+            split_probe = _SplitProbe(
+                loss=loss.detach(), count=count, weight=weight, rest=rest if size > p else None
+            )
         else:
             result = self._recompute.probe(probe_batch, weight=weight, seed=seed, step=s, pass_="probe")
         payload = ProbePayload(
@@ -437,7 +495,7 @@ class Guard:
             running(self._next_step, "rebuild"),
             buffers_restored(self._module),
         ):
-            loss = self._loss_fn(self._model, batch)
+            loss, _ = unpack(self._loss_fn(self._model, batch))
             _backward(loss)
         self._optimizer.zero_grad(set_to_none=True)
         self._health.reset()

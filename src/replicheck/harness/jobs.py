@@ -141,6 +141,9 @@ def train(ctx: RankContext, spec: JobSpec) -> JobResult:
         if store is not None and store.loaded is not None:
             # The resumed guard continues the lineage's verification record.
             gcfg = dataclasses.replace(gcfg, resume_verified_step=store.loaded.checkpoint.last_verified_step)
+        if gcfg.loss_reduction == "unknown":
+            # lm_loss averages sequences of one length: a per-sample mean, so a split is exact.
+            gcfg = dataclasses.replace(gcfg, loss_reduction="sample_mean")
         guard = Guard(model, opt, lm_loss, config=gcfg, node=ctx.node)
         if spec.setup is not None:
             result.setup_result = spec.setup(ctx, model, opt, guard)
