@@ -37,7 +37,7 @@ from replicheck.guard.probe import (
 from replicheck.guard.report import IncidentBuilder
 from replicheck.guard.ring import Ring
 from replicheck.guard.runtime import RuntimeInfo
-from replicheck.guard.verdict import Finding, tolerance
+from replicheck.guard.verdict import Finding, calibration_noise, tolerance
 from replicheck.guard.wire import ProbePayload, ProbeResult, StepRow
 from replicheck.incident import NodeIdentity
 
@@ -407,8 +407,10 @@ class Guard:
         distance = compare(received.result, replayed, mode, math.inf).distance
         noise = 0.0
         if mode == "tolerant" and self._calibrations < self._config.calibration_verifications:
-            again = self._recompute.payload(own, s)
-            noise = compare(own.result, again, mode, math.inf).distance
+            # Two fresh replays of our own probe, not the probe itself: a fault in the probe
+            # (the very thing under test) must not enter the noise it is judged against.
+            first, second = self._recompute.payload(own, s), self._recompute.payload(own, s)
+            noise = compare(first, second, mode, math.inf).distance
         return LocalView(own=own, received=received, replayed=replayed), distance, noise
 
     # -- verdict ------------------------------------------------------------------------------
@@ -448,7 +450,7 @@ class Guard:
         if cfg.mode != "tolerant":
             return 0.0
         if self._calibrations < cfg.calibration_verifications:
-            self._noise = max(self._noise, max(r.noise for r in rows))
+            self._noise = max(self._noise, calibration_noise([r.noise for r in rows]))
             self._calibrations += 1
         return tolerance(
             self._noise, margin=cfg.tolerance_margin, floor=cfg.tolerance_floor, ceiling=cfg.tolerance_ceiling

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from replicheck.guard.loss import LossSum
 
@@ -32,6 +34,8 @@ class DecoderConfig:
     """Tokens per sequence."""
     ffn_mult: float = 8 / 3
     """Hidden width of the SwiGLU feed-forward as a multiple of ``d_model``."""
+    checkpointing: Literal["none", "reentrant", "non_reentrant"] = "none"
+    """Activation checkpointing of each block (``torch.utils.checkpoint``)."""
 
 
 class RMSNorm(nn.Module):
@@ -113,7 +117,11 @@ class TinyDecoder(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens)
         for block in self.blocks:
-            x = block(x, self.cos, self.sin)
+            if self.cfg.checkpointing == "none":
+                x = block(x, self.cos, self.sin)
+            else:
+                reentrant = self.cfg.checkpointing == "reentrant"
+                x = checkpoint(block, x, self.cos, self.sin, use_reentrant=reentrant)
         return self.head(self.norm(x))
 
 
@@ -175,3 +183,11 @@ def token_sum_loss(module: nn.Module, batch: dict[str, torch.Tensor]) -> LossSum
     logits, labels = _shifted_logits(module, batch)
     total = F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")
     return LossSum(total=total, count=(labels != -100).sum())
+
+
+def lm_loss_bf16(module: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """:func:`lm_loss` with the forward under bf16 autocast (the loss itself in fp32)."""
+    device = next(module.parameters()).device.type
+    with torch.autocast(device_type=device, dtype=torch.bfloat16):
+        logits = module(batch["tokens"])
+    return F.cross_entropy(logits.float().flatten(0, 1), batch["targets"].flatten())
