@@ -47,7 +47,8 @@ class StepResult:
     """What :meth:`Guard.step` returns for a step whose update was applied."""
 
     loss: float
-    """This rank's loss for the step (mean over all its samples)."""
+    """This rank's loss for the step, normalised as ``loss_fn`` says (a ``LossSum``: total over
+    the step's items divided by their count)."""
     step: int
     """Index of the step just completed."""
     verified: bool
