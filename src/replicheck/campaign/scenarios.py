@@ -216,7 +216,7 @@ def default_scenarios() -> list[Scenario]:
             noise=noise,
             tolerance_floor=BF16_FLOOR,
             tolerance_ceiling=BF16_CEILING,
-            note=f"floor {BF16_FLOOR:g} above the measured bf16 rounding noise (docs/results/soak.md)",
+            note=f"floor {BF16_FLOOR:g} above the measured bf16 rounding noise (docs/results/soak-bf16.md)",
         ),
         Scenario(
             name="bf16-wgrad-tolerant",
@@ -238,7 +238,7 @@ def default_scenarios() -> list[Scenario]:
             noise=noise,
             tolerance_floor=BF16_FLOOR,
             tolerance_ceiling=BF16_CEILING,
-            note="documented limit: below bf16 rounding noise of the gradient sketch (docs/results/soak.md)",
+            note="documented limit: below bf16 rounding noise of the gradient sketch (docs/results/soak-bf16.md)",
         ),
         Scenario(
             name="token-mean-padded",
