@@ -45,7 +45,7 @@ def _bench(ctx: RankContext, rounds: int, block: int, batch: int, mode: Mode, wa
         guarded_opt,
         lm_loss,
         node=ctx.node,
-        config=GuardConfig(verify_every=10, weights_every=10, mode=mode),
+        config=GuardConfig(verify_every=10, weights_every=10, mode=mode, loss_reduction="sample_mean"),
     )
     batches = [synthetic_batch(MODEL, step=s, rank=ctx.rank, batch=batch) for s in range(block)]
 

@@ -94,7 +94,13 @@ def _unused_job(ctx: RankContext, fault_rank: int | None) -> dict[str, Any]:
     torch.manual_seed(0)
     model = DistributedDataParallel(Branchy(), find_unused_parameters=True)
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-    guard = Guard(model, opt, _branch_loss, config=GuardConfig(verify_every=1), node=ctx.node)
+    guard = Guard(
+        model,
+        opt,
+        _branch_loss,
+        config=GuardConfig(verify_every=1, loss_reduction="sample_mean"),
+        node=ctx.node,
+    )
     side_effects: list[int] = []
     # A hook with a side effect (a counter, like logging or activation caching) skips replays.
     model.module.a.register_forward_hook(lambda m, i, o: None if is_replaying() else side_effects.append(1))

@@ -73,7 +73,11 @@ def main() -> int:
             opt,
             lm_loss,
             config=GuardConfig(
-                verify_every=10, weights_every=10, start_step=start, resume_verified_step=verified
+                verify_every=10,
+                weights_every=10,
+                start_step=start,
+                resume_verified_step=verified,
+                loss_reduction="sample_mean",
             ),
         )
         if args.fault_rank is not None:

@@ -52,7 +52,9 @@ def test_single_process_guard_trains_and_replays_without_side_effects() -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     seen: list[tuple[str, bool]] = []
     model.embed.register_forward_hook(lambda m, i, o: seen.append((current_pass(), is_replaying())))
-    guard = Guard(model, opt, lm_loss, config=GuardConfig(verify_every=2), node="solo")
+    guard = Guard(
+        model, opt, lm_loss, config=GuardConfig(verify_every=2, loss_reduction="sample_mean"), node="solo"
+    )
     losses = [guard.step(synthetic_batch(TINY, step=s, rank=0, batch=4)).loss for s in range(30)]
     assert ("replay", True) in seen and ("train", False) in seen and ("probe", False) in seen
     assert sum(losses[-5:]) < sum(losses[:5])

@@ -30,7 +30,9 @@ def test_counts_steps_verifications_and_mismatches(tmp_path: Path) -> None:
     counts (plus one recorded replica check)."""
     model = make_model(TINY)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    guard = Guard(model, opt, lm_loss, config=GuardConfig(verify_every=2), node="solo")
+    guard = Guard(
+        model, opt, lm_loss, config=GuardConfig(verify_every=2, loss_reduction="sample_mean"), node="solo"
+    )
     ticks = iter(float(i) for i in range(1000))
     metrics = TrainingMetrics(job_id="j", rank=0, clock=lambda: next(ticks))
     for s in range(10):

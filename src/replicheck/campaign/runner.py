@@ -71,15 +71,29 @@ def resolve(scenario: Scenario, defaults: JobDefaults) -> Job:
     if fault is not None:
         rank = fault.rank if fault.rank is not None else defaults.fault_rank
         fault = replace(fault, rank=rank % (nodes * per), seed=fault.seed or defaults.seed)
+    tolerance = {
+        k: v
+        for k, v in (
+            ("tolerance_floor", scenario.tolerance_floor),
+            ("tolerance_ceiling", scenario.tolerance_ceiling),
+        )
+        if v is not None
+    }
     guard = GuardConfig(
-        verify_every=ve, weights_every=we, mode=mode, seed=defaults.seed, job_id=f"campaign-{scenario.name}"
+        verify_every=ve,
+        weights_every=we,
+        mode=mode,
+        seed=defaults.seed,
+        job_id=f"campaign-{scenario.name}",
+        **tolerance,  # type: ignore[arg-type]
     )
     setup = functools.partial(install_for_campaign, fault=fault, noise=scenario.noise)
     spec = JobSpec(
         steps=defaults.steps,
         batch=defaults.batch,
-        model=defaults.model,
+        model=replace(defaults.model, checkpointing=scenario.checkpointing),
         guard=guard,
+        loss=scenario.loss,
         seed=defaults.seed,
         setup=setup,
     )

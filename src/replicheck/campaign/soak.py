@@ -14,16 +14,17 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from replicheck.faults.noise import KernelNoise
 from replicheck.guard import GuardConfig, current_pass, current_step
 from replicheck.guard.config import Mode
 from replicheck.guard.modules import unwrap
-from replicheck.harness.jobs import JobSpec, train
+from replicheck.harness.jobs import JobLoss, JobSpec, train
 from replicheck.harness.launch import RankContext, node_names, run_local
 from replicheck.harness.workloads import DecoderConfig
 
@@ -55,6 +56,14 @@ class SoakConfig:
     """Seed of weights and data."""
     timeout: float = 4 * 3600.0
     """Seconds before the job is killed."""
+    loss: JobLoss = "lm"
+    """The job's loss (``lm_bf16``: forward under bf16 autocast)."""
+    noise: KernelNoise | None = None
+    """Simulated kernel noise on every rank."""
+    tolerance_floor: float | None = None
+    """Override of the guard's tolerant floor."""
+    tolerance_ceiling: float | None = None
+    """Override of the guard's tolerant ceiling."""
 
     @property
     def world(self) -> int:
@@ -86,9 +95,35 @@ class SoakResult:
         return asdict(self)
 
 
+def bf16_soak(cfg: SoakConfig, *, tiny: bool = False) -> SoakConfig:
+    """``cfg`` made the bf16 soak: tolerant mode, bf16 autocast, kernel noise on the final norm
+    of every rank, the campaign model (``tiny``: the soak model) and the bf16 tolerance."""
+    from replicheck.campaign.scenarios import BF16_CEILING, BF16_FLOOR, campaign_model
+
+    return replace(
+        cfg,
+        mode="tolerant",
+        loss="lm_bf16",
+        noise=KernelNoise(module="norm", rel=1e-6, seed=1),
+        model=soak_model() if tiny else campaign_model(),
+        batch=4 if not tiny else cfg.batch,
+        tolerance_floor=BF16_FLOOR,
+        tolerance_ceiling=BF16_CEILING,
+    )
+
+
 def _progress_hook(
-    ctx: RankContext, model: torch.nn.Module, opt: Any, guard: Any, *, path: str, every: int
+    ctx: RankContext,
+    model: torch.nn.Module,
+    opt: Any,
+    guard: Any,
+    *,
+    path: str,
+    every: int,
+    noise: KernelNoise | None = None,
 ) -> None:
+    if noise is not None:
+        noise.install(model, rank=ctx.rank)
     if ctx.rank != 0:
         return
     bare = unwrap(model)
@@ -106,8 +141,18 @@ def run_soak(cfg: SoakConfig, progress: Callable[[int], None] | None = None) -> 
     fd, path = tempfile.mkstemp(prefix="replicheck-soak-")
     os.close(fd)
     every = max(1, min(200, cfg.steps // 100 or 1))
+    tolerance = {
+        k: v
+        for k, v in (("tolerance_floor", cfg.tolerance_floor), ("tolerance_ceiling", cfg.tolerance_ceiling))
+        if v is not None
+    }
     guard = GuardConfig(
-        verify_every=1, weights_every=cfg.weights_every, mode=cfg.mode, seed=cfg.seed, job_id="soak"
+        verify_every=1,
+        weights_every=cfg.weights_every,
+        mode=cfg.mode,
+        seed=cfg.seed,
+        job_id="soak",
+        **tolerance,  # type: ignore[arg-type]
     )
     spec = JobSpec(
         steps=cfg.steps,
@@ -115,7 +160,8 @@ def run_soak(cfg: SoakConfig, progress: Callable[[int], None] | None = None) -> 
         model=cfg.model or soak_model(),
         guard=guard,
         seed=cfg.seed,
-        setup=functools.partial(_progress_hook, path=path, every=every),
+        setup=functools.partial(_progress_hook, path=path, every=every, noise=cfg.noise),
+        loss=cfg.loss,
     )
     stop = threading.Event()
 
@@ -185,6 +231,18 @@ def soak_markdown(result: SoakResult, command: str, cpus: int, torch_version: st
                 f"{r.config['mode']} mode, ring replay on every step, weights and optimizer state compared every "
                 f"{r.config['weights_every']} step(s).",
                 "",
+            ]
+            + (
+                [
+                    f"Loss `{r.config['loss']}` (forward under bf16 autocast), simulated kernel noise "
+                    f"{r.config['noise']['rel']:g} relative on `{r.config['noise']['module']}` on every rank and pass, "
+                    f"tolerance floor {r.config['tolerance_floor']:g}, ceiling {r.config['tolerance_ceiling']:g}.",
+                    "",
+                ]
+                if r.config.get("loss") == "lm_bf16" and r.config.get("noise")
+                else []
+            )
+            + [
                 "| figure | replicheck | published reference (AWS) |",
                 "|---|---|---|",
                 f"| verification pairs | {r.verification_pairs:,} ({r.verification_steps:,} steps × {r.world} ranks) | 15,320 |",

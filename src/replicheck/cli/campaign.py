@@ -56,6 +56,12 @@ def register(subparsers: Any) -> None:
         metavar="N",
         help="instead: clean training verified every step until N verification pairs",
     )
+    p.add_argument(
+        "--bf16",
+        action="store_true",
+        help="with --soak: tolerant mode, bf16 autocast and simulated kernel noise on every rank "
+        "(writes soak-bf16.md/json)",
+    )
     p.set_defaults(func=run)
 
 
@@ -183,12 +189,17 @@ def _soak(args: argparse.Namespace, out: Path) -> int:
         weights_every=args.weights_every or 1,
         seed=args.seed,
     )
+    name = "soak"
+    if args.bf16:
+        from replicheck.campaign.soak import bf16_soak
+
+        cfg, name = bf16_soak(cfg, tiny=args.tiny), "soak-bf16"
     bar = _Progress(cfg.steps, "soak", "step", not args.no_progress)
     update: Callable[[int], None] = bar.update_to
     result = run_soak(cfg, progress=update)
     bar.close()
-    (out / "soak.json").write_text(json.dumps(result.to_dict(), indent=1))
+    (out / f"{name}.json").write_text(json.dumps(result.to_dict(), indent=1))
     text = soak_markdown(result, _command(), os.cpu_count() or 0, torch.__version__)
-    (out / "soak.md").write_text(text)
+    (out / f"{name}.md").write_text(text)
     print(text)
     return 0 if result.false_alarms == 0 else 1

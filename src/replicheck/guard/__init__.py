@@ -11,6 +11,7 @@ from replicheck.guard.errors import (
     GuardMisuseError,
     PeerFailed,
 )
+from replicheck.guard.loss import LossReduction, LossSum
 from replicheck.guard.ring import Ring
 
 __all__ = [
@@ -22,6 +23,8 @@ __all__ = [
     "GuardError",
     "GuardMisuseError",
     "PeerFailed",
+    "LossReduction",
+    "LossSum",
     "Ring",
     "StepResult",
     "current_pass",

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from replicheck.guard.errors import GuardConfigError
+from replicheck.guard.loss import LossReduction
 
 Mode = Literal["exact", "tolerant"]
 """How probe results are compared: bit for bit, or within a calibrated threshold."""
@@ -29,7 +30,14 @@ class GuardConfig:
     probe: ProbeMode = "auto"
     """``split``: the probe is part of the real batch (no extra compute for the source).
     ``extra``: the probe is computed in addition (needed for BatchNorm in train mode).
-    ``auto``: ``extra`` when the model has a BatchNorm layer in train mode, else ``split``."""
+    ``auto``: ``extra`` when the model has a BatchNorm layer in train mode, else ``split``.
+    A split is used only where it is exact: ``loss_fn`` returns a :class:`~replicheck.guard.LossSum`,
+    or ``loss_reduction`` declares what its plain loss is; otherwise the probe is ``extra``
+    (with a warning when ``split`` was asked for)."""
+    loss_reduction: LossReduction = "unknown"
+    """What a plain scalar loss from ``loss_fn`` is over its batch: ``sample_mean`` (mean of
+    per-sample losses, so passes are weighted by sample count), ``sum`` (every pass weighs 1),
+    or ``unknown`` (never split). Ignored when ``loss_fn`` returns a ``LossSum``."""
     start_step: int = 0
     """Index of the first step this guard runs (a resumed job passes ``checkpoint step + 1``)."""
     resume_verified_step: int | None = None
@@ -85,6 +93,10 @@ class GuardConfig:
             raise GuardConfigError(f"mode must be 'exact' or 'tolerant', got {self.mode!r}")
         if self.probe not in ("auto", "split", "extra"):
             raise GuardConfigError(f"probe must be 'auto', 'split' or 'extra', got {self.probe!r}")
+        if self.loss_reduction not in ("unknown", "sample_mean", "sum"):
+            raise GuardConfigError(
+                f"loss_reduction must be 'unknown', 'sample_mean' or 'sum', got {self.loss_reduction!r}"
+            )
         if self.probe_size < 1:
             raise GuardConfigError(f"probe_size must be >= 1, got {self.probe_size}")
         if self.start_step < 0:

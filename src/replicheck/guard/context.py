@@ -28,7 +28,9 @@ def _state() -> _State:
 
 
 def is_replaying() -> bool:
-    """True while the guard recomputes another computation (a replay): hooks skip side effects."""
+    """True on every pass whose result the guard discards (a replay, an ``extra`` probe, the
+    bucket-rebuild pass after a resume): hooks with side effects (logging, caches, counters)
+    skip them. False on every pass that trains the model, including a ``split`` probe."""
     return _state().replaying
 
 
@@ -43,11 +45,12 @@ def current_pass() -> PassName:
 
 
 @contextmanager
-def running(step: int, pass_: PassName) -> Iterator[None]:
-    """Mark the process as running ``pass_`` of ``step``."""
+def running(step: int, pass_: PassName, *, discarded: bool = False) -> Iterator[None]:
+    """Mark the process as running ``pass_`` of ``step``; ``discarded``: its result is thrown away."""
     state = _state()
     saved = (state.step, state.pass_, state.replaying)
-    state.step, state.pass_, state.replaying = step, pass_, pass_ == "replay"
+    state.step, state.pass_ = step, pass_
+    state.replaying = discarded or pass_ in ("replay", "rebuild")
     try:
         yield
     finally:

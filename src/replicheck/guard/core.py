@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import contextlib
-import logging
+import dataclasses
 import functools
+import logging
 import math
 import warnings
 from collections.abc import Callable, Sequence
@@ -24,10 +25,10 @@ from replicheck.guard.config import GuardConfig, ProbeMode
 from replicheck.guard.context import running
 from replicheck.guard.errors import BatchError, CorruptionDetected, GuardConfigError, GuardError, PeerFailed
 from replicheck.guard.health import GradHealth, ReducedHook
+from replicheck.guard.loss import LossFn, LossSum, unpack
 from replicheck.guard.probe import (
     BackwardPass,
     Fingerprinter,
-    LossFn,
     Recompute,
     buffers_restored,
     compare,
@@ -46,7 +47,7 @@ from replicheck.guard.support import (
     step_gate,
     unwrap_compiled,
 )
-from replicheck.guard.verdict import Finding, tolerance
+from replicheck.guard.verdict import Finding, calibration_noise, tolerance
 from replicheck.guard.wire import ProbePayload, ProbeResult, StepRow
 from replicheck.incident import NodeIdentity
 
@@ -58,7 +59,8 @@ class StepResult:
     """What :meth:`Guard.step` returns for a step whose update was applied."""
 
     loss: float
-    """This rank's loss for the step (mean over all its samples)."""
+    """This rank's loss for the step, normalised as ``loss_fn`` says (a ``LossSum``: total over
+    the step's items divided by their count)."""
     step: int
     """Index of the step just completed."""
     verified: bool
@@ -73,8 +75,10 @@ class _SplitProbe:
 
     loss: torch.Tensor
     """The probe's (detached) loss."""
+    count: float | None
+    """Its item count when ``loss_fn`` returned a ``LossSum``."""
     weight: float
-    """Its share of the step's loss."""
+    """Its share of the step's loss (1 for a ``LossSum``: the step rescales at the end)."""
     rest: Any | None
     """The rest of the first micro-batch, or ``None`` when the probe took all of it."""
 
@@ -93,8 +97,8 @@ class _OwnProbe:
 class _Backward:
     """What the step's backward passes left behind."""
 
-    losses: list[tuple[float, torch.Tensor]]
-    """``(weight, detached loss)`` of every pass."""
+    loss: float
+    """The rank's loss for the step."""
     passes: list[BackwardPass]
     """The passes as they ran, for a re-run on the failure path."""
 
@@ -102,8 +106,9 @@ class _Backward:
 class Guard:
     """Owns one optimizer step of a (DDP) training job and checks it for silent corruption.
 
-    ``loss_fn(module, batch)`` returns the scalar mean loss; it is called with the DDP wrapper
-    for training passes and with the bare module for replays. With world size 1 a
+    ``loss_fn(module, batch)`` returns the scalar loss (its kind declared by
+    ``GuardConfig.loss_reduction``) or a :class:`~replicheck.guard.LossSum`; it is called with
+    the DDP wrapper for training passes and with the bare module for replays. With world size 1 a
     verification re-executes the probe on the same device, which catches transient faults only.
     """
 
@@ -166,6 +171,8 @@ class Guard:
         """The newest step whose verification passed (a resumed job may set it from its checkpoint)."""
         self._noise = 0.0
         self._calibrations = 0
+        self._loss_sum: bool | None = None  # whether loss_fn returns a LossSum; None: not seen yet
+        self._warned_split = False
         self._reporter = IncidentBuilder(
             job_id=job_id,
             rank=self.rank,
@@ -307,38 +314,74 @@ class Guard:
         )
 
     def _backward(self, s: int, mbs: list[Any], sizes: Sequence[int], own: _OwnProbe | None) -> _Backward:
-        """The training passes (after a split probe, the rest of the batch); the last one syncs."""
+        """The training passes (after a split probe, the rest of the batch); the last one syncs.
+
+        Plain losses are weighted by ``loss_reduction`` (sample share, or 1 for a sum). ``LossSum``
+        passes run unscaled and the gradient is divided by the step's item count just before
+        the last (synced) backward, so the all-reduced gradient is the unsplit one.
+        """
         total = sum(sizes)
-        weights = [n / total for n in sizes]
-        done = _Backward(losses=[], passes=[])
+        per_pass = 1.0 if self._config.loss_reduction == "sum" else None
+        weights = [per_pass if per_pass is not None else n / total for n in sizes]
+        parts: list[tuple[float, torch.Tensor, float | None]] = []  # (weight, loss, count)
+        passes: list[BackwardPass] = []
         if own is not None and own.split is not None:
             probe = own.split
-            done.losses.append((probe.weight, probe.loss))
-            done.passes.append(
-                BackwardPass(batch=own.payload.batch, weight=own.payload.weight, seed=own.payload.seed)
-            )
+            parts.append((probe.weight, probe.loss, probe.count))
+            passes.append(BackwardPass(batch=own.payload.batch, weight=probe.weight, seed=own.payload.seed))
             if probe.rest is None:
                 mbs.pop(0)
                 weights.pop(0)
             else:
                 mbs[0] = probe.rest
-                weights[0] = (sizes[0] - own.payload.size) / total
+                if per_pass is None:
+                    weights[0] = (sizes[0] - own.payload.size) / total
+        scale = 1.0
         for i, mb in enumerate(mbs):
-            with self._no_sync(i == len(mbs) - 1), running(s, "train"):
-                loss = self._forward(s, functools.partial(self._loss_fn, self._model, mb), "training pass")
-                _backward(loss * weights[i])
-            done.losses.append((weights[i], loss.detach()))
-            done.passes.append(BackwardPass(batch=mb, weight=weights[i], seed=None))
+            last = i == len(mbs) - 1
+            with self._no_sync(last), running(s, "train"):
+                loss, count = self._forward(s, functools.partial(self._loss_fn, self._model, mb), "training pass")
+                self._note_loss_kind(count)
+                w = weights[i]
+                if count is not None:
+                    w = 1.0
+                    if last:
+                        items = sum(c or 0.0 for _, _, c in parts) + count
+                        scale = w = 1.0 / items if items > 0 else 1.0
+                        self._scale_grads(scale)
+                _backward(loss * w)
+            parts.append((w, loss.detach(), count))
+            passes.append(BackwardPass(batch=mb, weight=w, seed=None))
+        if self._loss_sum:
+            passes = [dataclasses.replace(p, weight=scale) for p in passes]
+            step_loss = float(sum(part.double() for _, part, _ in parts)) * scale
+        else:
+            step_loss = float(sum(w * part.double() for w, part, _ in parts))
         if not self._hooked:
             grads = [p.grad for p in self._params if p.grad is not None]
             self._health.observe_local(grads)
             self._health.observe_reduced(grads)
         if self._health.errors and self._failure is None:
             self._failure = self._health.errors[0]
-        return done
+        return _Backward(loss=step_loss, passes=passes)
+
+    def _note_loss_kind(self, count: float | None) -> None:
+        kind = count is not None
+        if self._loss_sum is not None and kind != self._loss_sum:
+            raise BatchError("loss_fn must return a LossSum on every call or on none")
+        self._loss_sum = kind
+
+    def _scale_grads(self, scale: float) -> None:
+        """Scale what earlier (unsynced) passes accumulated, before the synced pass adds to it."""
+        if scale == 1.0:
+            return
+        with torch.no_grad():
+            for p in self._params:
+                if p.grad is not None:
+                    p.grad.mul_(scale)
 
     # -- errors on one rank stop every rank in the step's next collective ----------------------
-    def _forward(self, s: int, run: Callable[[], object], where: str) -> torch.Tensor:
+    def _forward(self, s: int, run: Callable[[], object], where: str) -> tuple[torch.Tensor, float | None]:
         """One forward pass whose error on any rank stops every rank before the next backward.
 
         The flag travels in a one-value all-gather after each forward: a rank that failed (here
@@ -346,10 +389,12 @@ class Guard:
         none waits in a gradient all-reduce until the process group's timeout.
         """
         loss: torch.Tensor | None = None
+        count: float | None = None
         entered = self._ddp_entries
         if self._failure is None:
             try:
-                loss = checked_loss(run(), where)
+                out = run()
+                loss, count = unpack(out) if isinstance(out, LossSum) else (checked_loss(out, where), None)
             except Exception as exc:  # noqa: BLE001 - re-raised on this rank by _stop_on_failure
                 self._failure = exc
         if self._failure is not None and self._ddp_entries == entered:
@@ -357,7 +402,7 @@ class Guard:
         self._stop_on_failure(s, self._comm.host_flags(self._failure is not None))
         if loss is None:  # unreachable: a failure above has raised
             raise GuardError("internal: forward produced no loss")
-        return loss
+        return loss, count
 
     def _ddp_collectives_of_forward(self) -> None:
         """The loss function failed before it called the DDP model: take part in the collectives
@@ -391,7 +436,7 @@ class Guard:
         self, s: int, done: _Backward, own: _OwnProbe | None, check_replicas: bool
     ) -> tuple[StepRow, LocalView | None]:
         """This rank's contribution to the step's all-gather (the ring exchange runs here)."""
-        loss = float(sum(w * part.double() for w, part in done.losses))
+        loss = done.loss
         local_norm, reduced = self._health.local_norm(), self._health.reduced_digest()
         weights = self._weights_digest() if check_replicas else 0
         opt = fp.optimizer_digest(self._optimizer) if check_replicas else 0
@@ -419,9 +464,20 @@ class Guard:
 
     # -- the verification pass --------------------------------------------------------------
     def _probe_mode(self) -> ProbeMode:
-        if self._config.probe != "auto":
-            return self._config.probe
-        return "extra" if any(m.training for m in self._batchnorms) else "split"
+        """``split`` only where it leaves the update unchanged; else ``extra``."""
+        cfg = self._config
+        if cfg.probe == "extra" or (cfg.probe == "auto" and any(m.training for m in self._batchnorms)):
+            return "extra"
+        if self._loss_sum or cfg.loss_reduction != "unknown":
+            return "split"
+        if cfg.probe == "split" and self._loss_sum is False and not self._warned_split:
+            self._warned_split = True
+            warnings.warn(
+                "probe='split' needs a loss whose split is exact: return a LossSum from loss_fn or "
+                "set GuardConfig.loss_reduction; using probe='extra' so the update is unchanged",
+                stacklevel=3,
+            )
+        return "extra"
 
     def _own_probe(self, s: int, first: Any, size: int, total: int, more: bool) -> _OwnProbe:
         """Compute this rank's probe; in split mode it is also the first part of the real batch."""
@@ -429,7 +485,7 @@ class Guard:
         p = min(cfg.probe_size, size)
         probe_batch, rest = split(first, p)
         seed = probe_seed(cfg.seed, s, self.rank)
-        weight = p / total
+        weight = 1.0 if self._loss_sum or cfg.loss_reduction == "sum" else p / total
         split_probe = None
         if self._probe_mode() == "split" and (size > p or more):
             with (
@@ -438,12 +494,16 @@ class Guard:
                 seeded(seed, self._params[0].device),
                 deterministic(cfg.use_deterministic),
             ):
-                loss = self._forward(s, lambda: self._loss_fn(self._model, probe_batch), "probe")
+                loss, count = self._forward(s, lambda: self._loss_fn(self._model, probe_batch), "probe")
+                self._note_loss_kind(count)
+                weight = 1.0 if count is not None else weight
                 _backward(loss * weight)
             result = ProbeResult(
                 float(loss.detach()), self._fingerprinter([q.grad for q in self._params], seed)
             )
-            split_probe = _SplitProbe(loss=loss.detach(), weight=weight, rest=rest if size > p else None)
+            split_probe = _SplitProbe(
+                loss=loss.detach(), count=count, weight=weight, rest=rest if size > p else None
+            )
         else:
             # An error here stops every rank at the first training pass's forward.
             computed = self._attempt(
@@ -469,8 +529,12 @@ class Guard:
         distance = compare(received.result, replayed, mode, math.inf).distance
         noise = 0.0
         if mode == "tolerant" and self._calibrations < self._config.calibration_verifications:
-            again = self._attempt(lambda: self._recompute.payload(own, s))
-            noise = compare(own.result, again, mode, math.inf).distance if again is not None else 0.0
+            # Two fresh replays of our own probe, not the probe itself: a fault in the probe
+            # (the very thing under test) must not enter the noise it is judged against.
+            first = self._attempt(lambda: self._recompute.payload(own, s))
+            second = self._attempt(lambda: self._recompute.payload(own, s))
+            if first is not None and second is not None:
+                noise = compare(first, second, mode, math.inf).distance
         return LocalView(own=own, received=received, replayed=replayed), distance, noise
 
     # -- verdict ------------------------------------------------------------------------------
@@ -517,7 +581,7 @@ class Guard:
         if cfg.mode != "tolerant":
             return 0.0
         if self._calibrations < cfg.calibration_verifications:
-            self._noise = max(self._noise, max(r.noise for r in rows))
+            self._noise = max(self._noise, calibration_noise([r.noise for r in rows]))
             self._calibrations += 1
         return tolerance(
             self._noise, margin=cfg.tolerance_margin, floor=cfg.tolerance_floor, ceiling=cfg.tolerance_ceiling
@@ -568,7 +632,7 @@ class Guard:
             running(self._next_step, "rebuild"),
             buffers_restored(self._module),
         ):
-            loss = self._loss_fn(self._model, batch)
+            loss, _ = unpack(self._loss_fn(self._model, batch))
             _backward(loss)
         self._optimizer.zero_grad(set_to_none=True)
         self._health.reset()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,10 +12,8 @@ import torch
 from replicheck import fingerprint as fp
 from replicheck.guard.config import Mode
 from replicheck.guard.context import PassName, running
+from replicheck.guard.loss import LossFn, unpack
 from replicheck.guard.wire import ProbePayload, ProbeResult, float_bits
-
-LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
-"""``loss_fn(module, batch)``: the scalar mean loss of ``batch``."""
 
 
 def probe_seed(base: int, step: int, rank: int) -> int:
@@ -110,20 +108,44 @@ class Recompute:
         self._fingerprinter = fingerprinter
         self._deterministic = deterministic_kernels
         self._device = self._params[0].device if self._params else torch.device("cpu")
+        self._scratch_backward = False
 
     def probe(
         self, batch: Any, *, weight: float, seed: int, step: int, pass_: PassName = "replay"
     ) -> ProbeResult:
         """Loss and fingerprint of ``batch`` run as a probe under ``seed``."""
-        with (
-            running(step, pass_),
-            seeded(seed, self._device),
-            deterministic(self._deterministic),
-            buffers_restored(self._module),
-        ):
-            loss = self._loss_fn(self._module, batch)
-            grads = torch.autograd.grad(loss * weight, self._params, allow_unused=True)
-        return ProbeResult(loss=float(loss.detach()), fingerprint=self._fingerprinter(list(grads), seed))
+        for _attempt in range(2):
+            try:
+                with (
+                    running(step, pass_, discarded=True),
+                    seeded(seed, self._device),
+                    deterministic(self._deterministic),
+                    buffers_restored(self._module),
+                ):
+                    loss, grads = self._gradients(batch, weight)
+                break
+            except _RetryWithBackward:
+                continue
+        return ProbeResult(loss=float(loss.detach()), fingerprint=self._fingerprinter(grads, seed))
+
+    def _gradients(self, batch: Any, weight: float) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+        """The pass's loss and its gradients, leaving every ``.grad`` as it was.
+
+        ``torch.autograd.grad`` by default; reentrant activation checkpointing refuses it (it runs
+        its own inner ``backward`` into ``.grad``), so from the first such refusal on the pass
+        runs ``backward`` into scratch ``.grad`` slots instead.
+        """
+        loss, _ = unpack(self._loss_fn(self._module, batch))
+        scaled = loss * weight
+        if self._scratch_backward:
+            return loss, _backward_into_scratch(scaled, self._params)
+        try:
+            return loss, list(torch.autograd.grad(scaled, self._params, allow_unused=True))
+        except RuntimeError as exc:
+            if "use_reentrant" not in str(exc):
+                raise
+            self._scratch_backward = True
+            raise _RetryWithBackward from exc
 
     def payload(self, payload: ProbePayload, step: int) -> ProbeResult:
         """Replay a probe as its source sent it."""
@@ -138,15 +160,38 @@ class Recompute:
         acc: list[torch.Tensor | None] = [None] * len(self._params)
         with torch.random.fork_rng(devices=[]), running(step, "replay"):
             for p in passes:
-                ctx = seeded(p.seed, self._device) if p.seed is not None else contextlib.nullcontext()
-                with ctx, deterministic(p.seed is not None and self._deterministic):
-                    loss = self._loss_fn(self._module, p.batch) * p.weight
-                    grads = torch.autograd.grad(loss, self._params, allow_unused=True)
+                for _attempt in range(2):
+                    ctx = seeded(p.seed, self._device) if p.seed is not None else contextlib.nullcontext()
+                    try:
+                        with ctx, deterministic(p.seed is not None and self._deterministic):
+                            grads = self._gradients(p.batch, p.weight)[1]
+                        break
+                    except _RetryWithBackward:
+                        continue
                 acc = [a if g is None else (g if a is None else a + g) for a, g in zip(acc, grads)]
         present = [g.float() for g in acc if g is not None]
         if not present:
             return 0.0
         return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in present])))
+
+
+class _RetryWithBackward(Exception):
+    """Internal: the pass must run again with ``backward`` into scratch gradients."""
+
+
+def _backward_into_scratch(
+    loss: torch.Tensor, params: Sequence[torch.nn.Parameter]
+) -> list[torch.Tensor | None]:
+    """Gradients of ``loss`` by ``backward``, with every ``.grad`` put back as it was afterwards."""
+    saved = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    try:
+        loss.backward()  # type: ignore[no-untyped-call]
+        return [p.grad for p in params]
+    finally:
+        for p, g in zip(params, saved):
+            p.grad = g
 
 
 @dataclass(frozen=True)

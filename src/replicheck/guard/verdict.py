@@ -103,6 +103,14 @@ def tolerance(noise: float, *, margin: float, floor: float, ceiling: float) -> f
     return min(max(margin * noise, floor), ceiling)
 
 
+def calibration_noise(noises: Sequence[float]) -> float:
+    """One calibration step's noise from every rank's replay-to-replay noise: the lower median,
+    so one faulty rank (a fault in one of its calibration replays) cannot raise the tolerance;
+    noise from kernels is a property of the job and every rank measures it."""
+    ordered = sorted(noises)
+    return ordered[(len(ordered) - 1) // 2] if ordered else 0.0
+
+
 def primary(findings: Sequence[Finding]) -> Finding:
     """The finding reported as the incident's ``check``: the most direct evidence first."""
     return min(findings, key=lambda f: (PRIORITY.index(f.check), f.ambiguous))

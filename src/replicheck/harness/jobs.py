@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -15,7 +15,19 @@ from replicheck.checkpoint.policy import Policy
 from replicheck.guard import CorruptionDetected, Guard, GuardConfig
 from replicheck.guard.modules import unwrap
 from replicheck.harness.launch import RankContext
-from replicheck.harness.workloads import DecoderConfig, lm_loss, make_model, synthetic_batch
+from replicheck.harness.workloads import (
+    DecoderConfig,
+    lm_loss,
+    lm_loss_bf16,
+    make_model,
+    padded_batch,
+    synthetic_batch,
+    token_mean_loss,
+    token_sum_loss,
+)
+
+JobLoss = Literal["lm", "lm_bf16", "token_sum"]
+"""The job's loss (see :attr:`JobSpec.loss`)."""
 
 Setup = Callable[[RankContext, torch.nn.Module, torch.optim.Optimizer, Guard], Any]
 """Called on every rank after the guard is built (install faults, hooks...); must be picklable."""
@@ -59,6 +71,10 @@ class JobSpec:
     """With ``resume_incident``: ``last_pass`` or ``two_passes`` (intermittent faults)."""
     report_every: int = 0
     """Rank 0 prints step, loss and verification as it trains, every this many steps (0: silent)."""
+    loss: JobLoss = "lm"
+    """``lm``: :func:`~replicheck.harness.workloads.lm_loss`; ``lm_bf16``: the same with the
+    forward under bf16 autocast; ``token_sum``: padded Hugging Face shaped batches and the
+    token-mean loss stated as a ``LossSum`` (the plain loop uses the token mean)."""
     stop_step: int | None = None
     """When set, run up to this step index (exclusive) instead of ``steps`` steps, so a requeued
     job can resume with the same spec."""
@@ -89,7 +105,8 @@ def build(spec: JobSpec, ctx: RankContext) -> tuple[torch.nn.Module, torch.optim
 
 
 def batch_for(spec: JobSpec, step: int, rank: int) -> list[dict[str, torch.Tensor]]:
-    full = synthetic_batch(spec.model, step=step, rank=rank, batch=spec.batch, seed=spec.seed)
+    make = padded_batch if spec.loss == "token_sum" else synthetic_batch
+    full = make(spec.model, step=step, rank=rank, batch=spec.batch, seed=spec.seed)
     if spec.microbatches == 1:
         return [full]
     parts = [dict(zip(full, vals)) for vals in zip(*(v.chunk(spec.microbatches) for v in full.values()))]
@@ -129,10 +146,13 @@ def train(ctx: RankContext, spec: JobSpec) -> JobResult:
     model, opt = build(spec, ctx)
     result = JobResult(rank=ctx.rank, node=ctx.node)
     bare = unwrap(model)
+    loss_fn: Any = {"lm": lm_loss, "lm_bf16": lm_loss_bf16, "token_sum": token_sum_loss}[spec.loss]
     if spec.guard is None:
+        if spec.loss == "token_sum":
+            loss_fn = token_mean_loss
         for s in range(spec.steps):
             opt.zero_grad(set_to_none=True)
-            loss = lm_loss(model, batch_for(spec, s, ctx.rank)[0])
+            loss = loss_fn(model, batch_for(spec, s, ctx.rank)[0])
             loss.backward()
             opt.step()
             result.losses[s], result.last_step = float(loss), s
@@ -141,7 +161,10 @@ def train(ctx: RankContext, spec: JobSpec) -> JobResult:
         if store is not None and store.loaded is not None:
             # The resumed guard continues the lineage's verification record.
             gcfg = dataclasses.replace(gcfg, resume_verified_step=store.loaded.checkpoint.last_verified_step)
-        guard = Guard(model, opt, lm_loss, config=gcfg, node=ctx.node)
+        if gcfg.loss_reduction == "unknown" and spec.loss != "token_sum":
+            # lm_loss averages sequences of one length: a per-sample mean, so a split is exact.
+            gcfg = dataclasses.replace(gcfg, loss_reduction="sample_mean")
+        guard = Guard(model, opt, loss_fn, config=gcfg, node=ctx.node)
         if spec.setup is not None:
             result.setup_result = spec.setup(ctx, model, opt, guard)
         start = gcfg.start_step

@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from replicheck.guard.loss import LossSum
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,6 +34,8 @@ class DecoderConfig:
     """Tokens per sequence."""
     ffn_mult: float = 8 / 3
     """Hidden width of the SwiGLU feed-forward as a multiple of ``d_model``."""
+    checkpointing: Literal["none", "reentrant", "non_reentrant"] = "none"
+    """Activation checkpointing of each block (``torch.utils.checkpoint``)."""
 
 
 class RMSNorm(nn.Module):
@@ -111,7 +117,11 @@ class TinyDecoder(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens)
         for block in self.blocks:
-            x = block(x, self.cos, self.sin)
+            if self.cfg.checkpointing == "none":
+                x = block(x, self.cos, self.sin)
+            else:
+                reentrant = self.cfg.checkpointing == "reentrant"
+                x = checkpoint(block, x, self.cos, self.sin, use_reentrant=reentrant)
         return self.head(self.norm(x))
 
 
@@ -141,3 +151,43 @@ def synthetic_batch(
     noise = torch.rand(seq.shape, generator=gen) < 0.1
     seq = torch.where(noise, torch.randint(0, cfg.vocab, seq.shape, generator=gen), seq)
     return {"tokens": seq[:, :-1].contiguous(), "targets": seq[:, 1:].contiguous()}
+
+
+def padded_batch(
+    cfg: DecoderConfig, *, step: int, rank: int, batch: int, seed: int = 0
+) -> dict[str, torch.Tensor]:
+    """A Hugging Face causal-LM shaped batch: ``input_ids`` and ``labels`` with ``-100`` on the
+    padding, each sequence of its own length (so token counts differ per sample and per rank)."""
+    full = synthetic_batch(cfg, step=step, rank=rank, batch=batch, seed=seed)
+    gen = torch.Generator().manual_seed((seed * 1_000_003 + step) * 8191 + rank)
+    lengths = torch.randint(2, cfg.seq_len + 1, (batch, 1), generator=gen)
+    real = torch.arange(cfg.seq_len).unsqueeze(0) < lengths
+    ids = torch.where(real, full["tokens"], 0)
+    return {"input_ids": ids, "labels": torch.where(real, ids, -100)}
+
+
+def _shifted_logits(module: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = module(batch["input_ids"])[:, :-1]
+    return logits.flatten(0, 1), batch["labels"][:, 1:].flatten()
+
+
+def token_mean_loss(module: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The Hugging Face causal-LM loss: mean cross-entropy over non-padding next tokens."""
+    logits, labels = _shifted_logits(module, batch)
+    return F.cross_entropy(logits, labels, ignore_index=-100)
+
+
+def token_sum_loss(module: nn.Module, batch: dict[str, torch.Tensor]) -> LossSum:
+    """The same loss as :func:`token_mean_loss` stated as a sum with its token count, which lets
+    the guard split a probe off the batch and still apply exactly the unsplit update."""
+    logits, labels = _shifted_logits(module, batch)
+    total = F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")
+    return LossSum(total=total, count=(labels != -100).sum())
+
+
+def lm_loss_bf16(module: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """:func:`lm_loss` with the forward under bf16 autocast (the loss itself in fp32)."""
+    device = next(module.parameters()).device.type
+    with torch.autocast(device_type=device, dtype=torch.bfloat16):
+        logits = module(batch["tokens"])
+    return F.cross_entropy(logits.float().flatten(0, 1), batch["targets"].flatten())

@@ -1,0 +1,65 @@
+"""Tolerant mode under bf16 autocast with simulated kernel noise on every rank and pass."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import pytest
+
+from replicheck.campaign.runner import install_for_campaign
+from replicheck.campaign.scenarios import BF16_CEILING, BF16_FLOOR, campaign_model
+from replicheck.campaign.soak import SoakConfig, bf16_soak, run_soak
+from replicheck.faults.injector import Fault
+from replicheck.faults.noise import KernelNoise
+from replicheck.guard import GuardConfig
+from replicheck.harness.jobs import JobResult, JobSpec, train
+from replicheck.harness.launch import node_names, run_local
+
+NOISE = KernelNoise(module="norm", rel=1e-6, seed=1)
+WGRAD = "blocks.0.ffn.down.weight"
+
+
+def _run(steps: int, verify_every: int, fault: Fault | None) -> list[JobResult]:
+    spec = JobSpec(
+        model=campaign_model(),
+        batch=4,
+        steps=steps,
+        loss="lm_bf16",
+        guard=GuardConfig(
+            verify_every=verify_every,
+            weights_every=verify_every,
+            mode="tolerant",
+            tolerance_floor=BF16_FLOOR,
+            tolerance_ceiling=BF16_CEILING,
+        ),
+        setup=functools.partial(install_for_campaign, fault=fault, noise=NOISE),
+    )
+    return run_local(train, node_names(3, 1), args=(spec,), timeout=240)
+
+
+@pytest.mark.timeout(300)
+def test_bf16_clean_run_has_no_alarm() -> None:
+    """30 clean bf16 steps verified on every step (90 pairs) under kernel noise raise nothing."""
+    results = _run(30, 1, None)
+    assert all(r.incident is None and r.last_step == 29 for r in results), results[0].incident
+
+
+@pytest.mark.timeout(300)
+def test_bf16_backward_only_fault_caught_at_first_verification() -> None:
+    """A weight-gradient-only fault (32 values zeroed) from step 6 is named at step 10."""
+    fault = dataclasses.replace(
+        Fault.at_weight_gradient(WGRAD).persistent(from_step=6).zero_chunk(), rank=1, seed=1
+    )
+    inc = _run(12, 5, fault)[0].incident
+    assert inc is not None
+    assert (inc["step"], inc["check"], inc["suspect_ranks"]) == (10, "replay", [1])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3 * 3600)
+def test_bf16_soak_no_false_alarm_in_10000_pairs() -> None:
+    """10,000 clean verification pairs under bf16 autocast and kernel noise: no false alarm."""
+    result = run_soak(bf16_soak(SoakConfig(pairs=10_000)))
+    assert result.verification_pairs >= 10_000
+    assert result.false_alarms == 0, result.incident
