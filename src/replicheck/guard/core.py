@@ -340,7 +340,9 @@ class Guard:
         for i, mb in enumerate(mbs):
             last = i == len(mbs) - 1
             with self._no_sync(last), running(s, "train"):
-                loss, count = self._forward(s, functools.partial(self._loss_fn, self._model, mb), "training pass")
+                loss, count = self._forward(
+                    s, functools.partial(self._loss_fn, self._model, mb), "training pass"
+                )
                 self._note_loss_kind(count)
                 w = weights[i]
                 if count is not None:

@@ -10,8 +10,8 @@ from typing import Any
 from replicheck.guard.config import Mode
 from replicheck.guard.verdict import Finding, primary
 from replicheck.incident import (
-    INCIDENT_FILE_MODE,
     HARDWARE_CLASSIFICATIONS,
+    INCIDENT_FILE_MODE,
     Classification,
     Incident,
     NodeIdentity,
