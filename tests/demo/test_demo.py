@@ -75,3 +75,51 @@ def test_demo_scenario_reports_an_undetected_fault_honestly(tmp_path: Path) -> N
     facts = json.loads((out / "demo.json").read_text())
     assert facts["detected"] is False and facts["final_equal"] is False
     assert "went undetected" in facts["summary"]
+
+
+@pytest.mark.timeout(900)
+def test_demo_serve_keeps_the_approval_page_up(tmp_path: Path) -> None:
+    """`demo --serve` ends by serving the page and API over the demo's database, with a private
+    operator token it made, until SIGTERM (exit 0)."""
+    import re
+    import signal
+    import stat
+    import time
+    import urllib.request
+
+    out = tmp_path / "demo"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "replicheck", "demo", "--yes", "--out", str(out), "--serve", "127.0.0.1:0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        assert proc.stdout is not None
+        deadline, seen, url = time.monotonic() + 800, [], None
+        while url is None and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            seen.append(line)
+            m = re.search(r"approval page: (http://\S+)/ ", line)
+            url = m.group(1) if m else None
+        assert url is not None, "".join(seen)[-3000:]
+        token_file = out / "operator.token"
+        assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
+        with urllib.request.urlopen(url + "/", timeout=30) as page:
+            assert page.status == 200 and b"replicheck" in page.read().lower()
+        request = urllib.request.Request(
+            url + "/api/v1/incidents",
+            headers={"Authorization": "Bearer " + token_file.read_text().strip()},
+        )
+        with urllib.request.urlopen(request, timeout=30) as reply:
+            listed = json.loads(reply.read())
+        assert [(i["state"], i["nodes"]) for i in listed["incidents"]] == [("resumed", ["node1"])]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -67,7 +67,7 @@ def register(subparsers: Any) -> None:
         "--config", metavar="FILE", help="TOML file whose [controller] policy the page explains"
     )
     _add_http_options(serve)
-    serve.set_defaults(func=_serve)
+    serve.set_defaults(func=serve)
 
 
 def _add_http_options(parser: argparse.ArgumentParser) -> None:
@@ -211,7 +211,8 @@ def _outcome(ctl: Any, status: int, failed: list[str]) -> int:
     return status
 
 
-def _serve(args: argparse.Namespace) -> int:
+def serve(args: argparse.Namespace) -> int:
+    """Serve the HTTP API and page over an existing database until SIGTERM/SIGINT (no acting)."""
     from pathlib import Path
 
     from replicheck.cli._support import db_path

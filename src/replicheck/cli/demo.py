@@ -18,6 +18,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--yes", action="store_true", help="approve without asking (also when no terminal)")
     p.add_argument("--json", action="store_true", help="print the facts as JSON at the end")
+    p.add_argument(
+        "--serve",
+        default=None,
+        metavar="HOST:PORT",
+        help="at the end, keep serving the approval page over the demo's controller database "
+        "(e.g. 127.0.0.1:8765; needs replicheck[http]); Ctrl-C stops it",
+    )
     p.set_defaults(func=run)
 
 
@@ -49,6 +56,34 @@ def run(args: argparse.Namespace) -> int:
                 {k: v for k, v in facts.items() if k not in ("timeline", "losses")}, indent=2, default=str
             )
         )
-    if facts.get("detected") and facts.get("final_equal") is False:
-        return 1
-    return 0
+    status = 1 if facts.get("detected") and facts.get("final_equal") is False else 0
+    if args.serve:
+        return _serve(args) or status
+    return status
+
+
+def _serve(args: argparse.Namespace) -> int:
+    """The approval page over the demo's database, with an operator token made for it."""
+    import os
+    import secrets
+    from pathlib import Path
+
+    from replicheck.cli.controller import serve
+
+    token = Path(args.out) / "operator.token"
+    if not token.exists():
+        # Private from the start: the page's operator token is a secret.
+        fd = os.open(token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(secrets.token_urlsafe(32) + "\n")
+    print(f"operator token for the page: in {token}", flush=True)
+    return serve(
+        argparse.Namespace(
+            db=str(Path(args.out) / "controller.db"),
+            http=args.serve,
+            config=None,
+            job_token_file=None,
+            operator_token_file=str(token),
+            max_body_bytes=None,
+        )
+    )
