@@ -9,6 +9,7 @@ from replicheck.guard.errors import (
     GuardConfigError,
     GuardError,
     GuardMisuseError,
+    LossContractError,
     PeerFailed,
 )
 from replicheck.guard.loss import LossReduction, LossSum
@@ -22,6 +23,7 @@ __all__ = [
     "GuardConfigError",
     "GuardError",
     "GuardMisuseError",
+    "LossContractError",
     "PeerFailed",
     "LossReduction",
     "LossSum",

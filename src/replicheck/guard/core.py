@@ -23,7 +23,14 @@ from replicheck.guard.batch import batch_size, split, to_device
 from replicheck.guard.comm import Comm
 from replicheck.guard.config import GuardConfig, ProbeMode
 from replicheck.guard.context import running
-from replicheck.guard.errors import BatchError, CorruptionDetected, GuardConfigError, GuardError, PeerFailed
+from replicheck.guard.errors import (
+    BatchError,
+    CorruptionDetected,
+    GuardConfigError,
+    GuardError,
+    LossContractError,
+    PeerFailed,
+)
 from replicheck.guard.health import GradHealth, ReducedHook
 from replicheck.guard.loss import LossFn, LossSum, unpack
 from replicheck.guard.probe import (
@@ -370,7 +377,7 @@ class Guard:
     def _note_loss_kind(self, count: float | None) -> None:
         kind = count is not None
         if self._loss_sum is not None and kind != self._loss_sum:
-            raise BatchError("loss_fn must return a LossSum on every call or on none")
+            raise LossContractError("loss_fn must return a LossSum on every call or on none")
         self._loss_sum = kind
 
     def _scale_grads(self, scale: float) -> None:

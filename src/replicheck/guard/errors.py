@@ -36,6 +36,10 @@ class GuardMisuseError(GuardError, RuntimeError):
     """The guard was used in a way that would change or skip what it checks (a clear message says how)."""
 
 
+class LossContractError(BatchError, GuardMisuseError):
+    """``loss_fn`` returned something other than a scalar loss or a well-formed ``LossSum``."""
+
+
 class PeerFailed(GuardError):
     """Another rank failed inside the same step (its error is raised there); this rank stops too."""
 

@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 import torch
 
-from replicheck.guard.errors import BatchError
+from replicheck.guard.errors import LossContractError
 
 LossReduction = Literal["unknown", "sample_mean", "sum"]
 """What a plain scalar loss is over its batch: unknown, a mean over samples, or a plain sum."""
@@ -39,11 +39,11 @@ def unpack(out: object) -> tuple[torch.Tensor, float | None]:
     """The tensor to differentiate and the item count (``None`` for a plain scalar loss)."""
     if isinstance(out, LossSum):
         if not isinstance(out.total, torch.Tensor) or out.total.numel() != 1:
-            raise BatchError("LossSum.total must be a scalar tensor")
+            raise LossContractError("LossSum.total must be a scalar tensor")
         count = float(out.count)
         if not count >= 0:
-            raise BatchError(f"LossSum.count must be >= 0, got {count}")
+            raise LossContractError(f"LossSum.count must be >= 0, got {count}")
         return out.total.reshape(()), count
     if isinstance(out, torch.Tensor) and out.numel() == 1:
         return out.reshape(()), None
-    raise BatchError(f"loss_fn must return a scalar tensor or a LossSum, got {type(out).__name__}")
+    raise LossContractError(f"loss_fn must return a scalar tensor or a LossSum, got {type(out).__name__}")
