@@ -215,16 +215,7 @@ def evaluate(job: Job, results: Sequence[JobResult], seconds: float) -> Scenario
         ok = detected is None
     losses = {str(r.rank): [r.losses.get(s) for s in range(_steps_run(results))] for r in results}
     return ScenarioOutcome(
-        name=sc.name,
-        title=sc.title,
-        fault=_describe(fault),
-        nodes=job.nodes,
-        gpus_per_node=job.gpus_per_node,
-        mode=job.mode,
-        verify_every=job.verify_every,
-        weights_every=job.weights_every,
-        steps=job.spec.steps,
-        expect=sc.expect,
+        **_identity(sc, job),
         onset=onset,
         first_corruption=first,
         corruptions=len(records),
@@ -254,6 +245,22 @@ def evaluate(job: Job, results: Sequence[JobResult], seconds: float) -> Scenario
     )
 
 
+def _identity(sc: Scenario, job: Job) -> dict[str, Any]:
+    """The outcome's fields that say which scenario ran and how, whatever happened to it."""
+    return {
+        "name": sc.name,
+        "title": sc.title,
+        "fault": _describe(job.fault),
+        "nodes": job.nodes,
+        "gpus_per_node": job.gpus_per_node,
+        "mode": job.mode,
+        "verify_every": job.verify_every,
+        "weights_every": job.weights_every,
+        "steps": job.spec.steps,
+        "expect": sc.expect,
+    }
+
+
 def _describe(fault: Fault | None) -> dict[str, Any] | None:
     if fault is None:
         return None
@@ -277,16 +284,7 @@ def run_scenario(scenario: Scenario, defaults: JobDefaults) -> ScenarioOutcome:
         )
     except Exception as exc:  # noqa: BLE001 - a broken scenario is a row with its error, not a crash
         out = ScenarioOutcome(
-            name=scenario.name,
-            title=scenario.title,
-            fault=_describe(job.fault),
-            nodes=job.nodes,
-            gpus_per_node=job.gpus_per_node,
-            mode=job.mode,
-            verify_every=job.verify_every,
-            weights_every=job.weights_every,
-            steps=job.spec.steps,
-            expect=scenario.expect,
+            **_identity(scenario, job),
             onset=job.fault.onset if job.fault else None,
             first_corruption=None,
             corruptions=0,

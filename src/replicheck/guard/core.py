@@ -449,27 +449,13 @@ class Guard:
         local_norm, reduced = self._health.local_norm(), self._health.reduced_digest()
         weights = self._weights_digest() if check_replicas else 0
         opt = fp.optimizer_digest(self._optimizer) if check_replicas else 0
-        if own is None:
-            return StepRow(
-                loss=loss,
-                local_norm=local_norm,
-                reduced=reduced,
-                weights=weights,
-                optimizer=opt,
-                failed=self._failure is not None,
-            ), None
-        view, distance, noise = self._verify_pair(s, own.payload)
-        return StepRow(
-            loss=loss,
-            local_norm=local_norm,
-            reduced=reduced,
-            weights=weights,
-            optimizer=opt,
-            verified=True,
-            pair_distance=distance,
-            noise=noise,
-            failed=self._failure is not None,
-        ), view
+        row = StepRow(loss=loss, local_norm=local_norm, reduced=reduced, weights=weights, optimizer=opt)
+        view: LocalView | None = None
+        if own is not None:
+            view, distance, noise = self._verify_pair(s, own.payload)
+            row = dataclasses.replace(row, verified=True, pair_distance=distance, noise=noise)
+        # Read after the replay: an error there is this rank's failure too.
+        return dataclasses.replace(row, failed=self._failure is not None), view
 
     # -- the verification pass --------------------------------------------------------------
     def _probe_mode(self) -> ProbeMode:
