@@ -67,7 +67,7 @@ def register(subparsers: Any) -> None:
         "--config", metavar="FILE", help="TOML file whose [controller] policy the page explains"
     )
     _add_http_options(serve)
-    serve.set_defaults(func=serve)
+    serve.set_defaults(func=serve_database)
 
 
 def _add_http_options(parser: argparse.ArgumentParser) -> None:
@@ -211,7 +211,7 @@ def _outcome(ctl: Any, status: int, failed: list[str]) -> int:
     return status
 
 
-def serve(args: argparse.Namespace) -> int:
+def serve_database(args: argparse.Namespace) -> int:
     """Serve the HTTP API and page over an existing database until SIGTERM/SIGINT (no acting)."""
     from pathlib import Path
 

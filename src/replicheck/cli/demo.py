@@ -68,7 +68,7 @@ def _serve(args: argparse.Namespace) -> int:
     import secrets
     from pathlib import Path
 
-    from replicheck.cli.controller import serve
+    from replicheck.cli.controller import serve_database
 
     token = Path(args.out) / "operator.token"
     if not token.exists():
@@ -77,7 +77,7 @@ def _serve(args: argparse.Namespace) -> int:
         with os.fdopen(fd, "w") as fh:
             fh.write(secrets.token_urlsafe(32) + "\n")
     print(f"operator token for the page: in {token}", flush=True)
-    return serve(
+    return serve_database(
         argparse.Namespace(
             db=str(Path(args.out) / "controller.db"),
             http=args.serve,
