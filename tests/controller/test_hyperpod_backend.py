@@ -243,32 +243,26 @@ def test_replacement_is_awaited_until_a_new_instance_runs(sm: tuple[Any, Stubber
     with pytest.raises(NotYet, match="ShuttingDown"):
         b.await_return("ip-10-0-0-2", "k:await_return")
     clock.advance(300)
-    stub.add_client_error(
-        "describe_cluster_node",
-        service_error_code="ResourceNotFound",
-        http_status_code=400,
-        expected_params={"ClusterName": CLUSTER, "NodeId": OLD},
-    )
-    expect_list(
-        stub,
-        summary(NEW, "10.0.0.7", "Pending", launched=T0 + dt.timedelta(seconds=60)),
-        InstanceGroupNameContains="workers",
-        CreationTimeAfter=ANY,
-    )
+
+    def old_gone_new_is(state: str) -> None:
+        """The old instance is gone; the group's new one (launched after the request) is in ``state``."""
+        stub.add_client_error(
+            "describe_cluster_node",
+            service_error_code="ResourceNotFound",
+            http_status_code=400,
+            expected_params={"ClusterName": CLUSTER, "NodeId": OLD},
+        )
+        expect_list(
+            stub,
+            summary(NEW, "10.0.0.7", state, launched=T0 + dt.timedelta(seconds=60)),
+            InstanceGroupNameContains="workers",
+            CreationTimeAfter=ANY,
+        )
+
+    old_gone_new_is("Pending")
     with pytest.raises(NotYet, match="not Running yet"):
         b.await_return("ip-10-0-0-2", "k:await_return")
-    stub.add_client_error(
-        "describe_cluster_node",
-        service_error_code="ResourceNotFound",
-        http_status_code=400,
-        expected_params={"ClusterName": CLUSTER, "NodeId": OLD},
-    )
-    expect_list(
-        stub,
-        summary(NEW, "10.0.0.7", "Running", launched=T0 + dt.timedelta(seconds=60)),
-        InstanceGroupNameContains="workers",
-        CreationTimeAfter=ANY,
-    )
+    old_gone_new_is("Running")
     result = b.await_return("ip-10-0-0-2", "k:await_return")
     assert result == {
         "back": False,
