@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# System packages the test suite needs (a real Slurm for tests/slurm; Debian's Chromium and its
+# System packages the test suite needs (a real Slurm for tests/slurm, with job accounting:
+# slurmdbd on a MariaDB server the tests start privately; Debian's Chromium and its
 # driver for the approval page test in tests/http, since browsers cannot be downloaded there).
 # Installs them with apt when running as root and they are missing; otherwise says what is missing.
 set -euo pipefail
@@ -8,6 +9,10 @@ command -v slurmctld >/dev/null 2>&1 || need+=(slurmctld)
 command -v slurmd >/dev/null 2>&1 || need+=(slurmd)
 command -v sbatch >/dev/null 2>&1 || need+=(slurm-client)
 command -v munged >/dev/null 2>&1 || need+=(munge)
+command -v slurmdbd >/dev/null 2>&1 || need+=(slurmdbd)
+# The tests run their own mariadbd (private datadir and port); the package's service is not used.
+command -v mariadbd >/dev/null 2>&1 || need+=(mariadb-server)
+command -v mariadb-admin >/dev/null 2>&1 || need+=(mariadb-client)
 [ -x /usr/bin/chromium ] || need+=(chromium)
 [ -x /usr/bin/chromedriver ] || need+=(chromium-driver)
 if [ ${#need[@]} -eq 0 ]; then

@@ -13,8 +13,8 @@ import pytest
 from slurmkit import SlurmCluster, missing_binaries
 
 
-def _unavailable() -> str | None:
-    missing = missing_binaries()
+def _unavailable(accounting: bool) -> str | None:
+    missing = missing_binaries(accounting)
     if missing:
         return f"Slurm binaries missing ({', '.join(missing)}); run `make system-deps` as root"
     if os.geteuid() != 0:
@@ -22,9 +22,9 @@ def _unavailable() -> str | None:
     return None
 
 
-def _require_slurm() -> None:
+def _require_slurm(accounting: bool) -> None:
     """Skip only outside CI when not root; anywhere else a cluster that cannot start fails."""
-    reason = _unavailable()
+    reason = _unavailable(accounting)
     if reason is None:
         return
     if os.environ.get("CI") != "true" and os.geteuid() != 0:
@@ -32,10 +32,10 @@ def _require_slurm() -> None:
     pytest.fail(f"the Slurm tests cannot run: {reason}")
 
 
-def _running_cluster(nodes: int) -> Iterator[SlurmCluster]:
+def _running_cluster(nodes: int, accounting: bool = False) -> Iterator[SlurmCluster]:
     """Start a cluster of ``nodes`` (skipping outside CI if Slurm cannot run), stop it after."""
-    _require_slurm()
-    cluster = SlurmCluster(_short_tmp(), nodes=nodes)
+    _require_slurm(accounting)
+    cluster = SlurmCluster(_short_tmp(), nodes=nodes, accounting=accounting)
     try:
         cluster.start()
         yield cluster
@@ -51,8 +51,9 @@ def _short_tmp() -> Path:
 
 @pytest.fixture(scope="session")
 def slurm_cluster() -> Iterator[SlurmCluster]:
-    """A 4-node cluster (node1..node4 in partition debug) for the whole session."""
-    yield from _running_cluster(nodes=4)
+    """A 4-node cluster (node1..node4 in partition debug) with job accounting (slurmdbd on a
+    private MariaDB), for the whole session."""
+    yield from _running_cluster(nodes=4, accounting=True)
 
 
 @pytest.fixture

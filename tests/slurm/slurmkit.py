@@ -1,10 +1,13 @@
 """A throwaway Slurm cluster for tests: munged on a private socket, one slurmctld and N
-``slurmd -N nodeX`` daemons on 127.0.0.1, each on a free port. Only processes started here
-are stopped (by their Popen handle / pid file), never by name."""
+``slurmd -N nodeX`` daemons on 127.0.0.1, each on a free port, and (with ``accounting``) job
+accounting: a private MariaDB server (own datadir, socket and free port, run as the ``mysql``
+user where it exists) behind a slurmdbd, so ``sacct`` shows what the jobs did. Only processes
+started here are stopped (by their Popen handle / pid file), never by name."""
 
 from __future__ import annotations
 
 import os
+import pwd
 import shutil
 import signal
 import socket
@@ -14,10 +17,30 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 BINARIES = ("munged", "slurmctld", "slurmd", "scontrol", "sinfo", "sbatch", "squeue")
+ACCOUNTING_BINARIES = (
+    "slurmdbd",
+    "sacct",
+    "sacctmgr",
+    "mariadbd",
+    "mariadb-install-db",
+    "mariadb",
+    "mariadb-admin",
+)
+DB_USER, DB_NAME = "slurm", "slurm_acct_db"
+CLUSTER = "replicheck-test"
 
 
-def missing_binaries() -> list[str]:
-    return [b for b in BINARIES if shutil.which(b) is None and not Path("/usr/sbin", b).exists()]
+def missing_binaries(accounting: bool = False) -> list[str]:
+    wanted = BINARIES + (ACCOUNTING_BINARIES if accounting else ())
+    return [b for b in wanted if shutil.which(b) is None and not Path("/usr/sbin", b).exists()]
+
+
+def _user_exists(name: str) -> bool:
+    try:
+        pwd.getpwnam(name)
+    except KeyError:
+        return False
+    return True
 
 
 def _which(name: str) -> str:
@@ -41,18 +64,24 @@ def free_ports(n: int) -> list[int]:
 class SlurmCluster:
     """Start with :meth:`start`, stop with :meth:`stop`. ``env`` is what clients need."""
 
-    def __init__(self, root: Path, nodes: int = 4, partition: str = "debug") -> None:
+    def __init__(
+        self, root: Path, nodes: int = 4, partition: str = "debug", accounting: bool = False
+    ) -> None:
         self.root = root
         self.nodes = [f"node{i}" for i in range(1, nodes + 1)]
         self.partition = partition
+        self.accounting = accounting
         self.conf = root / "slurm.conf"
         self._procs: list[subprocess.Popen[bytes]] = []
         self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
+        self.startup_s: dict[str, float] = {}
+        """Seconds each start-up phase took (munge, database, slurmdbd, slurm)."""
 
     # --- lifecycle --------------------------------------------------------------------------
 
     def start(self, timeout: float = 30.0) -> None:
         r = self.root
+        began = time.monotonic()
         for d in ("munge", "state", "spool", "log"):
             (r / d).mkdir(parents=True, exist_ok=True)
         (r / "munge").chmod(0o755)  # munged refuses a socket directory others can write to
@@ -74,14 +103,122 @@ class SlurmCluster:
             "munged",
         )
         self._wait(lambda: self.socket.exists(), timeout, "munged socket")
-        ports = free_ports(1 + len(self.nodes))
-        self.conf.write_text(self._config(ports[0], ports[1:]))
+        self.startup_s["munge"] = time.monotonic() - began
+        ports = free_ports(3 + len(self.nodes))
+        self.conf.write_text(
+            self._config(ports[0], ports[3:], dbd_port=ports[1] if self.accounting else None)
+        )
+        if self.accounting:
+            began = time.monotonic()
+            self._start_database(ports[2], timeout)
+            self.startup_s["database"] = time.monotonic() - began
+            began = time.monotonic()
+            self._start_slurmdbd(ports[1], ports[2], timeout)
+            self.startup_s["slurmdbd"] = time.monotonic() - began
+        began = time.monotonic()
         self._spawn([_which("slurmctld"), "-D", "-i", "-f", str(self.conf)], "slurmctld")
         self._wait(lambda: self.scontrol("ping", check=False).returncode == 0, timeout, "slurmctld")
         for node in self.nodes:
             (r / "spool" / node).mkdir(exist_ok=True)
             self._spawn([_which("slurmd"), "-D", "-N", node, "-f", str(self.conf)], f"slurmd-{node}")
         self.wait_states({n: "idle" for n in self.nodes}, timeout)
+        self.startup_s["slurm"] = time.monotonic() - began
+
+    def _start_database(self, port: int, timeout: float) -> None:
+        """A MariaDB server of our own: fresh datadir, private socket, 127.0.0.1:port only, and
+        a ``slurm`` user with a random password that may use the accounting database only."""
+        r = self.root
+        user = "mysql" if _user_exists("mysql") else "root"  # mariadbd drops root to this user
+        r.chmod(0o711)  # let that user reach its directories below the private root
+        data, run = r / "mysql" / "data", r / "mysql" / "run"
+        for d in (data, run):
+            d.mkdir(parents=True)
+            shutil.chown(d, user, user)
+        self.db_socket = run / "mysqld.sock"
+        common = ["--no-defaults", f"--user={user}", f"--datadir={data}"]
+        small = ["--innodb-buffer-pool-size=16M", "--innodb-log-file-size=8M"]
+        self.run(
+            _which("mariadb-install-db"),
+            *common,
+            *small,
+            "--auth-root-authentication-method=normal",
+            "--skip-test-db",
+            "--skip-name-resolve",
+            timeout=timeout,
+        )
+        self._spawn(
+            [
+                _which("mariadbd"),
+                *common,
+                *small,
+                f"--socket={self.db_socket}",
+                f"--port={port}",
+                "--bind-address=127.0.0.1",
+                "--skip-name-resolve",
+                "--innodb-flush-log-at-trx-commit=0",
+                f"--pid-file={run / 'mysqld.pid'}",
+                f"--log-error={run / 'mariadbd.log'}",
+            ],
+            "mariadbd",
+        )
+        ping = (_which("mariadb-admin"), f"--socket={self.db_socket}", "-uroot", "ping")
+        self._wait(lambda: self.run(*ping, check=False).returncode == 0, timeout, "mariadbd")
+        self.db_password = os.urandom(12).hex()
+        sql = (
+            f"CREATE USER '{DB_USER}'@'127.0.0.1' IDENTIFIED BY '{self.db_password}'; "
+            f"GRANT ALL ON {DB_NAME}.* TO '{DB_USER}'@'127.0.0.1';"
+        )
+        self.run(_which("mariadb"), f"--socket={self.db_socket}", "-uroot", "-e", sql)
+
+    def _start_slurmdbd(self, dbd_port: int, db_port: int, timeout: float) -> None:
+        """slurmdbd reads slurmdbd.conf beside slurm.conf (SLURM_CONF); it must be 0600."""
+        r = self.root
+        conf = r / "slurmdbd.conf"
+        conf.touch(mode=0o600)
+        conf.write_text(
+            "\n".join(
+                [
+                    "AuthType=auth/munge",
+                    f"AuthInfo=socket={self.socket}",
+                    f"DbdHost={socket.gethostname()}",
+                    "DbdAddr=127.0.0.1",
+                    f"DbdPort={dbd_port}",
+                    "SlurmUser=root",
+                    f"PidFile={r / 'slurmdbd.pid'}",
+                    f"LogFile={r / 'log' / 'slurmdbd.log'}",
+                    "StorageType=accounting_storage/mysql",
+                    "StorageHost=127.0.0.1",
+                    f"StoragePort={db_port}",
+                    f"StorageUser={DB_USER}",
+                    f"StoragePass={self.db_password}",
+                    f"StorageLoc={DB_NAME}",
+                ]
+            )
+            + "\n"
+        )
+        self._spawn([_which("slurmdbd"), "-D"], "slurmdbd")
+        sacctmgr = (_which("sacctmgr"), "--noheader", "--parsable2", "list", "cluster")
+        self._wait(lambda: self.run(*sacctmgr, check=False).returncode == 0, timeout, "slurmdbd")
+        # slurmctld only reports to a cluster the database knows.
+        self.run(_which("sacctmgr"), "-i", "add", "cluster", CLUSTER)
+
+    def sacct(self, job: str) -> dict[str, str]:
+        """The accounting record of ``job``'s allocation (State, ExitCode, NodeList), as sacct shows it."""
+        out = self.run(
+            _which("sacct"),
+            "-j",
+            job,
+            "-X",
+            "--noheader",
+            "--parsable2",
+            "-o",
+            "JobID,State,ExitCode,NodeList",
+        ).stdout
+        for line in out.splitlines():
+            job_id, state, exit_code, nodes = line.split("|")
+            if job_id == job:
+                return {"State": state, "ExitCode": exit_code, "NodeList": nodes}
+        return {}
 
     def stop(self) -> None:
         for proc in reversed(self._procs):
@@ -119,14 +256,24 @@ class SlurmCluster:
 
     def logs(self) -> str:
         out = []
-        for f in sorted((self.root / "log").glob("*")):
+        for f in sorted([*(self.root / "log").glob("*"), *(self.root / "mysql" / "run").glob("*.log")]):
             out.append(f"--- {f.name}\n" + f.read_text(errors="replace")[-3000:])
         return "\n".join(out)
 
-    def _config(self, ctl_port: int, node_ports: list[int]) -> str:
+    def _config(self, ctl_port: int, node_ports: list[int], dbd_port: int | None) -> str:
         r, host = self.root, socket.gethostname()
+        if dbd_port is None:
+            accounting = ["AccountingStorageType=accounting_storage/none"]
+        else:
+            accounting = [
+                "AccountingStorageType=accounting_storage/slurmdbd",
+                "AccountingStorageHost=127.0.0.1",
+                f"AccountingStoragePort={dbd_port}",
+                # The munge socket for talking to slurmdbd (AuthInfo covers slurmctld only).
+                f"AccountingStoragePass={self.socket}",
+            ]
         lines = [
-            "ClusterName=replicheck-test",
+            f"ClusterName={CLUSTER}",
             f"SlurmctldHost={host}(127.0.0.1)",
             f"SlurmctldPort={ctl_port}",
             "SlurmUser=root",
@@ -143,7 +290,7 @@ class SlurmCluster:
             "ProctrackType=proctrack/linuxproc",
             "TaskPlugin=task/none",
             "JobAcctGatherType=jobacct_gather/none",
-            "AccountingStorageType=accounting_storage/none",
+            *accounting,
             "JobCompType=jobcomp/none",
             "SchedulerType=sched/builtin",
             "SelectType=select/cons_tres",

@@ -1,6 +1,6 @@
 """End to end on the test Slurm cluster: a 2-node job (4 ranks) runs guarded DDP training with a
-persistent fault on one rank, the guard detects it and the job exits with EXIT_CORRUPTION, the
-controller drains the suspect node, a person approves through the CLI, the node is failed with
+persistent fault on one rank, the guard detects it and the job exits with EXIT_CORRUPTION (as
+Slurm's accounting records it: sacct, backed by slurmdbd and MariaDB), the controller drains the suspect node, a person approves through the CLI, the node is failed with
 Action:Replace, the test plays the cloud and brings it back, the job is resubmitted from the
 recommended checkpoint (without the fault) and completes."""
 
@@ -42,6 +42,18 @@ def wait_job(slurm: SlurmCluster, job: str, timeout: float = 120) -> dict[str, s
     raise TimeoutError(f"job {job} did not finish: {out}")
 
 
+def wait_accounted(slurm: SlurmCluster, job: str, timeout: float = 60) -> dict[str, str]:
+    """The job's finished record in the accounting database (slurmctld reports it asynchronously)."""
+    record: dict[str, str] = {}
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        record = slurm.sacct(job)
+        if record.get("State", "PENDING") not in ("PENDING", "RUNNING", "REQUEUED"):
+            return record
+        time.sleep(0.2)
+    raise TimeoutError(f"sacct has no finished record of job {job}: {record}")
+
+
 def test_detect_drain_approve_replace_resubmit(slurm: SlurmCluster, tmp_path: Path) -> None:
     """The whole procedure on real Slurm, driven by the CLI; the replacement happens once and the resubmitted job completes."""
     incidents, out, ckpts = tmp_path / "incidents", tmp_path / "out", tmp_path / "ckpt"
@@ -70,6 +82,8 @@ def test_detect_drain_approve_replace_resubmit(slurm: SlurmCluster, tmp_path: Pa
     )
     fields = wait_job(slurm, job)
     assert fields["ExitCode"] == f"{EXIT_CORRUPTION}:0", (fields, (out / "first.log").read_text())
+    accounted = wait_accounted(slurm, job)
+    assert (accounted["State"], accounted["ExitCode"]) == ("FAILED", f"{EXIT_CORRUPTION}:0"), accounted
     where = {int(r): n for n, r in (p.read_text().split() for p in out.glob("rank-*"))}  # rank -> its node
     assert sorted(where) == [0, 1, 2, 3] and len(set(where.values())) == 2, where
     (incident_file,) = incidents.glob("*.json")
@@ -136,6 +150,7 @@ def test_detect_drain_approve_replace_resubmit(slurm: SlurmCluster, tmp_path: Pa
         resubmitted,
         (out / "resumed.log").read_text(),
     )
+    assert wait_accounted(slurm, new_job)["ExitCode"] == "0:0"
     resumed = [p.read_text().split() for p in out.glob("resumed-*")]
     finished = [p.read_text().split() for p in out.glob("done-*")]
     assert len(resumed) == 4 and {step for _, step in resumed} == {"20"}, resumed
