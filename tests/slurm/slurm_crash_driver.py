@@ -2,9 +2,12 @@
 itself right before or right after one backend call. Every command that changes the cluster
 is appended to LOG before it runs. Used by test_slurm_exactly_once.py as a subprocess:
 
-    slurm_crash_driver.py DB SLURM_CONF LOG MODE JOB [before:METHOD | after:METHOD]
+    slurm_crash_driver.py DB SLURM_CONF LOG MODE JOB [before:METHOD | after:METHOD | cmd:TEXT]
 
-MODE: default (scontrol state=fail), custom (replace_command), resubmit, dismiss.
+MODE: default (scontrol state=fail), custom (replace_command), resubmit, dismiss, triage (a
+transient incident self-tested through Slurm; stops awaiting approval). ``cmd:TEXT`` SIGKILLs
+right before the first command whose argv contains TEXT (inside a backend call); ``cmd:TEXT#N``
+before the Nth such command.
 """
 
 from __future__ import annotations
@@ -26,20 +29,26 @@ NODE = "node3"
 
 
 class LoggingRunner(CommandRunner):
-    def __init__(self, conf: str, log: str) -> None:
+    def __init__(self, conf: str, log: str, kill_before: str = "") -> None:
         super().__init__({"SLURM_CONF": conf}, 30.0)
         self.log = log
+        self.kill_before, _, nth = kill_before.partition("#")
+        self.kill_at, self.seen = int(nth or 1), 0
 
-    def run(self, argv: Sequence[str], *, check: bool = True) -> CommandResult:
+    def run(
+        self, argv: Sequence[str], *, check: bool = True, timeout_s: float | None = None
+    ) -> CommandResult:
         name = Path(argv[0]).name
-        if (name == "scontrol" and argv[1] in ("update", "requeue", "requeuehold", "release")) or name in (
-            "sbatch",
-            "replace.sh",
-        ):
+        if self.kill_before and self.kill_before in " ".join(argv):
+            self.seen += 1
+            if self.seen == self.kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+        changes = ("update", "requeue", "requeuehold", "release", "create", "delete")
+        if (name == "scontrol" and argv[1] in changes) or name in ("sbatch", "replace.sh", "srun", "scancel"):
             fd = os.open(self.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
             os.write(fd, (" ".join(argv) + "\n").encode())
             os.close(fd)
-        return super().run(argv, check=check)
+        return super().run(argv, check=check, timeout_s=timeout_s)
 
 
 class KillAt:
@@ -85,7 +94,13 @@ def main() -> int:
                 "sleep 600",
             ),
         }
-    backend = SlurmBackend(SlurmConfig(slurm_conf=conf, **options), runner=LoggingRunner(conf, log))
+    if mode == "triage":
+        options["triage_command"] = (sys.executable, "-m", "replicheck", "selftest", "--json", "--steps", "1")
+    kill_before = point.partition(":")[2] if point.startswith("cmd:") else ""
+    runner = LoggingRunner(conf, log, kill_before)
+    backend = SlurmBackend(SlurmConfig(slurm_conf=conf, **options), runner=runner)
+    if kill_before:
+        point = ""
     inc = Incident(
         id=f"{job}-s10-replay",
         job_id=job,
@@ -93,15 +108,15 @@ def main() -> int:
         check="replay",
         suspect_ranks=(1,),
         suspect_nodes=(NODE,),
-        classification="persistent",
+        classification="transient" if mode == "triage" else "persistent",
         suspects=(Suspect(1, NodeIdentity(name=NODE, slurm_node=NODE)),),
         recommended_checkpoint={"step": 5, "path": str(here)},
         world_size=4,
     )
     config = ControllerConfig(
         apply=True,
-        auto_approve=mode != "dismiss",
-        triage=False,
+        auto_approve=mode not in ("dismiss", "triage"),
+        triage=mode == "triage",
         return_timeout_s=0,
         return_poll_s=0,
         retry_base_delay_s=0,
@@ -113,10 +128,13 @@ def main() -> int:
             record = ctl.store.get_record(inc.id)
             if mode == "dismiss" and record.state is State.AWAITING_APPROVAL:
                 ctl.dismiss(inc.id, by="ops")
-            if record.state in (State.RESUMED, State.UNCORDONED, State.FAILED):
+            if record.state in (State.RESUMED, State.UNCORDONED, State.FAILED) or (
+                mode == "triage" and record.state is State.AWAITING_APPROVAL
+            ):
                 break
         record = ctl.store.get_record(inc.id)
-        print(json.dumps({"state": record.state.value, "reason": record.reason}))
+        triage = [{"node": t.node, "passed": t.passed, "detail": t.detail} for t in record.triage]
+        print(json.dumps({"state": record.state.value, "reason": record.reason, "triage": triage}))
     return 0
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import pwd
+import re
 import shutil
 import signal
 import socket
@@ -350,7 +351,11 @@ class SlurmCluster:
         return last
 
     def reset_nodes(self) -> None:
-        """Every node back to idle with no ``Extra`` marker (after a test drained or failed some)."""
+        """Every node back to idle with no ``Extra`` marker (after a test drained or failed some)
+        and no replicheck maintenance reservation left over."""
+        out = self.scontrol("show", "reservation", "--oneliner", check=False).stdout
+        for name in re.findall(r"^ReservationName=(replicheck-\S+)", out, re.MULTILINE):
+            self.scontrol("delete", f"reservation={name}", check=False)
         for name, (state, _) in self.node_states().items():
             if state != "idle":
                 self.scontrol("update", f"nodename={name}", "state=resume", check=False)

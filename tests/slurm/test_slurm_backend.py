@@ -24,17 +24,25 @@ REASON = "replicheck: suspected silent data corruption"
 
 
 class CountingRunner(CommandRunner):
-    """Counts the scontrol update/requeue commands actually issued (what changes the cluster);
+    """Counts the scontrol update/requeue/create/delete commands actually issued (what changes the cluster);
     the free-text reason and the Extra marker are left out of the count's key."""
 
     def __init__(self, conf: Path) -> None:
         super().__init__({"SLURM_CONF": str(conf)}, 30.0)
         self.changes: Counter[str] = Counter()
 
-    def run(self, argv: Sequence[str], *, check: bool = True) -> CommandResult:
-        if Path(argv[0]).name == "scontrol" and argv[1] in ("update", "requeuehold", "release"):
+    def run(
+        self, argv: Sequence[str], *, check: bool = True, timeout_s: float | None = None
+    ) -> CommandResult:
+        if Path(argv[0]).name == "scontrol" and argv[1] in (
+            "update",
+            "requeuehold",
+            "release",
+            "create",
+            "delete",
+        ):
             self.changes[" ".join(a for a in argv[1:] if not a.startswith(("reason=", "extra=")))] += 1
-        return super().run(argv, check=check)
+        return super().run(argv, check=check, timeout_s=timeout_s)
 
 
 def backend(slurm: SlurmCluster, **kw: Any) -> tuple[SlurmBackend, CountingRunner]:
@@ -168,7 +176,7 @@ def test_triage_compares_selftest_with_reference_node(slurm: SlurmCluster, tmp_p
         'echo "{\\"fingerprint\\": \\"$f\\", \\"node\\": \\"$1\\"}"\n'
     )
     fake.chmod(0o755)
-    b, _ = backend(slurm, selftest_command=(str(fake), "{node}"))
+    b, _ = backend(slurm, triage="command", selftest_command=(str(fake), "{node}"))
     with Controller(tmp_path / "c.db", backend=b, config=ControllerConfig(apply=True)) as ctl:
         ctl.ingest(incident("node2", classification="transient"))
         ctl.reconcile()

@@ -49,16 +49,20 @@ class CommandRunner:
         self._env = dict(env or {})
         self._timeout = timeout_s
 
-    def run(self, argv: Sequence[str], *, check: bool = True) -> CommandResult:
-        """Run ``argv``; with ``check`` a non-zero exit raises a classified BackendError."""
+    def run(
+        self, argv: Sequence[str], *, check: bool = True, timeout_s: float | None = None
+    ) -> CommandResult:
+        """Run ``argv``; with ``check`` a non-zero exit raises a classified BackendError.
+        ``timeout_s`` overrides the runner's timeout for a command that runs long (a job)."""
         args = tuple(argv)
+        timeout = self._timeout if timeout_s is None else timeout_s
         env = {**os.environ, **self._env}
         try:
             proc = subprocess.run(
                 args,
                 capture_output=True,
                 text=True,
-                timeout=self._timeout,
+                timeout=timeout,
                 env=env,
                 check=False,
                 stdin=subprocess.DEVNULL,
@@ -68,7 +72,7 @@ class CommandRunner:
         except PermissionError as exc:
             raise PermanentBackendError(f"cannot run {args[0]}: {exc}") from exc
         except subprocess.TimeoutExpired as exc:
-            raise TransientBackendError(f"{_show(args)} timed out after {self._timeout:g}s") from exc
+            raise TransientBackendError(f"{_show(args)} timed out after {timeout:g}s") from exc
         result = CommandResult(args, proc.returncode, proc.stdout, proc.stderr)
         if check and proc.returncode != 0:
             raise classify(result)

@@ -18,6 +18,12 @@ from replicheck.controller.backends.base import (
     validate_node_name,
 )
 from replicheck.controller.backends.commands import CommandRunner
+from replicheck.controller.backends.slurm_triage import (
+    STARTED,
+    SlurmTriage,
+    SlurmTriageConfig,
+    reservation_name,
+)
 from replicheck.controller.errors import ConfigError, NotYet, PermanentBackendError
 from replicheck.incident import CHECKPOINT_PATH, INCIDENT_ID, JOB_ID
 
@@ -63,6 +69,18 @@ class SlurmConfig:
     """For resume_mode=resubmit: argv template with {job_id} {step} {checkpoint} {exclude} {marker};
     must contain {marker} (e.g. ``--comment={marker}``); an argument with {exclude} is dropped when
     nothing is excluded."""
+    triage: str = "slurm"
+    """How triage runs the self-test: ``slurm`` (a Slurm job on the drained node, through a
+    maintenance reservation; see slurm_triage) or ``command`` (``selftest_command``, out of band)."""
+    triage_command: tuple[str, ...] = ("replicheck", "selftest", "--json")
+    """For triage=slurm: the self-test argv ``srun`` runs on the node (``--node`` and, on the
+    suspect, ``--expect`` are appended)."""
+    triage_timeout_s: float = 600.0
+    """For triage=slurm: time limit of each self-test job, and how long it may wait to start."""
+    triage_user: str | None = None
+    """For triage=slurm: the user the maintenance reservation admits (None: the controller's)."""
+    triage_srun_options: tuple[str, ...] = ()
+    """For triage=slurm: extra ``srun`` arguments (e.g. ``--gres=gpu:8``, ``--partition=gpu``)."""
     selftest_command: tuple[str, ...] = (
         "ssh",
         "-o",
@@ -72,8 +90,8 @@ class SlurmConfig:
         "selftest",
         "--json",
     )
-    """argv template running the self-test on ``{node}`` out of band (Slurm starts no work on a
-    drained node); it must print the self-test JSON."""
+    """For triage=command: argv template running the self-test on ``{node}`` out of band; it
+    must print the self-test JSON."""
     reference_node: str | None = None
     """Healthy node to compare self-test fingerprints with (None: a schedulable node of the
     suspect's partition)."""
@@ -91,6 +109,12 @@ class SlurmConfig:
                 )
         if not self.replace_reason:
             raise ConfigError("replace_reason must not be empty")
+        if self.triage not in ("slurm", "command"):
+            raise ConfigError(f"triage must be slurm or command, got {self.triage!r}")
+        if self.triage == "slurm" and not self.triage_command:
+            raise ConfigError("triage=slurm needs a triage_command")
+        if not self.triage_timeout_s > 0:
+            raise ConfigError(f"triage_timeout_s must be > 0, got {self.triage_timeout_s!r}")
         if self.reference_node is not None:
             validate_node_name(self.reference_node)
 
@@ -153,6 +177,7 @@ class SlurmBackend:
         return {"detail": f"drained {node}"}
 
     def uncordon(self, node: str, reason_prefix: str, key: str) -> Mapping[str, Any]:
+        self._abandon_triage(node)
         info = self.node(node)
         if "drain" not in info.state or not info.reason.startswith(reason_prefix):
             # Not ours (or already resumed): leave a node drained by someone else alone.
@@ -232,6 +257,10 @@ class SlurmBackend:
 
     def selftest(self, node: str, key: str) -> Mapping[str, Any]:
         validate_node_name(node)
+        if self.config.triage == "slurm":
+            return self._triage().run(
+                node, _marker(key), lambda: self.config.reference_node or self._pick_reference(node)
+            )
         reference = self.config.reference_node or self._pick_reference(node)
         mine = self._selftest_on(node)
         theirs = self._selftest_on(reference)
@@ -244,6 +273,29 @@ class SlurmBackend:
             "reference_fingerprint": theirs["fingerprint"],
             "detail": f"fingerprint {mine['fingerprint']} {verdict} {reference}'s {theirs['fingerprint']}",
         }
+
+    def _triage(self) -> SlurmTriage:
+        c = self.config
+        config = SlurmTriageConfig(
+            command=c.triage_command,
+            timeout_s=c.triage_timeout_s,
+            user=c.triage_user,
+            srun_options=c.triage_srun_options,
+        )
+        return SlurmTriage(config, self._run, self._bin, self.node, self.node_extra, self._set_extra)
+
+    def _abandon_triage(self, node: str) -> None:
+        """The incident ended while its triage was interrupted (dismissed mid-way): the node is
+        being released, so its maintenance reservation goes and the triage note is cleared."""
+        extra = self.node_extra(node)
+        marker, started, _ = extra.partition(STARTED)
+        if not started or not marker.startswith("replicheck:"):
+            return
+        resv = reservation_name(marker)
+        shown = self._run.run([self._bin("scontrol"), "show", "reservation", resv], check=False)
+        if shown.returncode == 0 and f"ReservationName={resv} " in shown.stdout:
+            self._run.run([self._bin("scontrol"), "delete", f"reservation={resv}"])
+        self._set_extra(node, "")
 
     def _pick_reference(self, node: str) -> str:
         for _partition, names in sorted(self.schedulable_by_partition(node).items()):
