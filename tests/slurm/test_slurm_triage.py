@@ -8,7 +8,9 @@ from __future__ import annotations
 import sys
 import time
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 from slurmkit import SlurmCluster
@@ -16,8 +18,10 @@ from test_slurm_backend import REASON, backend, incident
 from test_slurm_exactly_once import Run
 
 from replicheck.controller import Controller, ControllerConfig, State
+from replicheck.controller.backends.commands import CommandResult
+from replicheck.controller.backends.slurm import SlurmConfig
 from replicheck.controller.backends.slurm_triage import reservation_name
-from replicheck.controller.errors import PermanentBackendError
+from replicheck.controller.errors import ConfigError, PermanentBackendError
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(180)]
 SELFTEST = (sys.executable, "-m", "replicheck", "selftest", "--json", "--steps", "1")
@@ -158,3 +162,42 @@ def test_killed_between_resume_and_redrain_converges(
     assert run.commands("create reservation") == 1 and run.commands("delete reservation") == 1
     assert run.commands("state=resume") == 1
     assert run.commands("state=drain") == 2  # the cordon and the one drain after the test
+
+
+class _Killed(BaseException):
+    """Stands for a SIGKILL inside the call: nothing after it runs, no clean-up either."""
+
+
+def test_dismissal_after_an_interrupted_triage_releases_the_node(slurm: SlurmCluster) -> None:
+    """Uncordoning a node whose triage was cut off after the resume deletes its reservation and clears the note."""
+    slurm.scontrol("update", "nodename=node2", "state=drain", f"reason={REASON}")
+    b, runner = backend(slurm, triage_command=SELFTEST)
+    real_run = runner.run
+
+    def run(argv: Sequence[str], **kw: Any) -> CommandResult:
+        if any(a.startswith("--reservation=") for a in argv):
+            raise _Killed
+        return real_run(argv, **kw)
+
+    runner.run = run  # type: ignore[method-assign]
+    with pytest.raises(_Killed):
+        b.selftest("node2", KEY)
+    assert "No reservations" not in reservations(slurm) and "drain" not in slurm.node_states()["node2"][0]
+    b.uncordon("node2", "replicheck", "t1-s10-replay:uncordon:node2")
+    assert reservations(slurm) == "No reservations in the system"
+    assert slurm.wait_states({"node2": "idle"})["node2"][0] == "idle"
+    assert b.node_extra("node2") == ""
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"triage": "ssh"}, "triage must be slurm or command"),
+        ({"triage_command": ()}, "needs a triage_command"),
+        ({"triage_timeout_s": 0}, "triage_timeout_s must be > 0"),
+    ],
+)
+def test_bad_triage_settings_are_refused(options: dict[str, Any], message: str) -> None:
+    """Invalid triage settings are a ConfigError naming the setting."""
+    with pytest.raises(ConfigError, match=message):
+        SlurmConfig(**options)

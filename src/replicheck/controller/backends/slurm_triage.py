@@ -149,7 +149,8 @@ class SlurmTriage:
         fp = data.get("fingerprint")
         detail = ""
         if status == "could not run":
-            devices = data.get("devices") if isinstance(data.get("devices"), list) else []
+            listed = data.get("devices")
+            devices: list[Any] = listed if isinstance(listed, list) else []
             errors = [f"{d.get('device')}: {d.get('error')}" for d in devices if isinstance(d, dict)]
             detail = _plain("; ".join(e for e in errors if not e.endswith(": None")))
         return out.returncode, _plain(fp) if isinstance(fp, str) else "none", detail
