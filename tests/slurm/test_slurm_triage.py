@@ -201,3 +201,20 @@ def test_bad_triage_settings_are_refused(options: dict[str, Any], message: str) 
     """Invalid triage settings are a ConfigError naming the setting."""
     with pytest.raises(ConfigError, match=message):
         SlurmConfig(**options)
+
+
+def test_leftover_selftest_job_is_cancelled_before_the_test_runs_again(slurm: SlurmCluster) -> None:
+    """A self-test job of the same action still queued (its srun died with a killed controller) is cancelled, not left to run."""
+    slurm.scontrol("update", "nodename=node2", "state=drain", f"reason={REASON}")
+    name = reservation_name("replicheck:" + KEY) + "-test"
+    left = slurm.run(
+        "sbatch", "--parsable", f"--job-name={name}", "-w", "node2", "-o", "/dev/null", "--wrap", "sleep 600"
+    ).stdout.strip()
+    b, _ = backend(slurm, triage_command=SELFTEST)
+    try:
+        assert b.selftest("node2", KEY)["passed"] is True
+        state = slurm.run("squeue", "--noheader", "--states=all", "-j", left, "--format=%T").stdout.strip()
+        assert state == "CANCELLED", state
+    finally:
+        slurm.run("scancel", left, check=False)
+    assert slurm.node_states()["node2"] == ("drained", REASON)
