@@ -21,7 +21,7 @@ from replicheck.controller import Controller, ControllerConfig, State
 from replicheck.controller.backends.commands import CommandResult
 from replicheck.controller.backends.slurm import SlurmConfig
 from replicheck.controller.backends.slurm_triage import reservation_name
-from replicheck.controller.errors import ConfigError, PermanentBackendError
+from replicheck.controller.errors import ConfigError, PermanentBackendError, TransientBackendError
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(180)]
 SELFTEST = (sys.executable, "-m", "replicheck", "selftest", "--json", "--steps", "1")
@@ -187,6 +187,30 @@ def test_dismissal_after_an_interrupted_triage_releases_the_node(slurm: SlurmClu
     assert reservations(slurm) == "No reservations in the system"
     assert slurm.wait_states({"node2": "idle"})["node2"][0] == "idle"
     assert b.node_extra("node2") == ""
+
+
+def test_second_triage_waits_for_an_interrupted_one_on_the_same_node(slurm: SlurmCluster) -> None:
+    """Another incident's triage of a node still in an interrupted triage's reservation is a temporary error, not an overwrite."""
+    slurm.scontrol("update", "nodename=node2", "state=drain", f"reason={REASON}")
+    b, runner = backend(slurm, triage_command=SELFTEST)
+    real_run = runner.run
+
+    def run(argv: Sequence[str], **kw: Any) -> CommandResult:
+        if any(a.startswith("--reservation=") for a in argv):
+            raise _Killed
+        return real_run(argv, **kw)
+
+    runner.run = run  # type: ignore[method-assign]
+    with pytest.raises(_Killed):
+        b.selftest("node2", KEY)
+    note = b.node_extra("node2")
+    other, _ = backend(slurm, triage_command=SELFTEST)
+    with pytest.raises(TransientBackendError, match="another self-test"):
+        other.selftest("node2", "t2-s10-replay:selftest:node2")
+    assert b.node_extra("node2") == note
+    runner.run = real_run  # type: ignore[method-assign]
+    assert b.selftest("node2", KEY)["passed"] is True  # the first one finishes on its next call
+    assert slurm.node_states()["node2"] == ("drained", REASON)
 
 
 @pytest.mark.parametrize(

@@ -18,12 +18,7 @@ from replicheck.controller.backends.base import (
     validate_node_name,
 )
 from replicheck.controller.backends.commands import CommandRunner
-from replicheck.controller.backends.slurm_triage import (
-    STARTED,
-    SlurmTriage,
-    SlurmTriageConfig,
-    reservation_name,
-)
+from replicheck.controller.backends.slurm_triage import SlurmTriage, SlurmTriageConfig
 from replicheck.controller.errors import ConfigError, NotYet, PermanentBackendError
 from replicheck.incident import CHECKPOINT_PATH, INCIDENT_ID, JOB_ID
 
@@ -177,7 +172,8 @@ class SlurmBackend:
         return {"detail": f"drained {node}"}
 
     def uncordon(self, node: str, reason_prefix: str, key: str) -> Mapping[str, Any]:
-        self._abandon_triage(node)
+        if self.config.triage == "slurm":
+            self._triage().abandon(node)  # a triage cut off by a dismissal: its reservation goes
         info = self.node(node)
         if "drain" not in info.state or not info.reason.startswith(reason_prefix):
             # Not ours (or already resumed): leave a node drained by someone else alone.
@@ -283,19 +279,6 @@ class SlurmBackend:
             srun_options=c.triage_srun_options,
         )
         return SlurmTriage(config, self._run, self._bin, self.node, self.node_extra, self._set_extra)
-
-    def _abandon_triage(self, node: str) -> None:
-        """The incident ended while its triage was interrupted (dismissed mid-way): the node is
-        being released, so its maintenance reservation goes and the triage note is cleared."""
-        extra = self.node_extra(node)
-        marker, started, _ = extra.partition(STARTED)
-        if not started or not marker.startswith("replicheck:"):
-            return
-        resv = reservation_name(marker)
-        shown = self._run.run([self._bin("scontrol"), "show", "reservation", resv], check=False)
-        if shown.returncode == 0 and f"ReservationName={resv} " in shown.stdout:
-            self._run.run([self._bin("scontrol"), "delete", f"reservation={resv}"])
-        self._set_extra(node, "")
 
     def _pick_reference(self, node: str) -> str:
         for _partition, names in sorted(self.schedulable_by_partition(node).items()):

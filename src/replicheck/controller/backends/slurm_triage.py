@@ -99,6 +99,14 @@ class SlurmTriage:
             result = _Record.parse(node, record)
             self._restore(node, resv, result.memo)  # the last call may have stopped before this
             return result.outcome(node)
+        owner = _note_owner(extra)
+        if owner not in (None, marker) and self._reservation_exists(reservation_name(owner or "")):
+            # Another incident's triage of this node was interrupted; its notes must survive until
+            # it finishes (they say how to restore the node), so wait rather than overwrite them.
+            raise TransientBackendError(
+                f"{node} is in the maintenance reservation of another self-test "
+                f"({reservation_name(owner or '')}); waiting for it to finish"
+            )
         if extra.startswith(marker + STARTED):
             memo = _parse_memo(extra[len(marker + STARTED) :])
         else:
@@ -122,6 +130,19 @@ class SlurmTriage:
         self._set_extra(node, marker + FINISHED + result.format())
         self._restore(node, resv, memo)
         return result.outcome(node)
+
+    def abandon(self, node: str) -> None:
+        """The node is being released (its incident was dismissed): delete the reservation of a
+        triage that was cut off and clear its note."""
+        extra = self._extra(node)
+        owner = _note_owner(extra)
+        if owner is None:
+            return
+        resv = reservation_name(owner)
+        if self._reservation_exists(resv):
+            self._run.run([self._bin("scontrol"), "delete", f"reservation={resv}"])
+        if extra.startswith(owner + STARTED):
+            self._set_extra(node, "")
 
     # --- the steps --------------------------------------------------------------------------
 
@@ -231,6 +252,15 @@ class SlurmTriage:
 def reservation_name(marker: str) -> str:
     """The reservation (and job name prefix) of one triage action: stable across restarts."""
     return "replicheck-triage-" + hashlib.sha256(marker.encode()).hexdigest()[:12]
+
+
+def _note_owner(extra: str) -> str | None:
+    """The marker of the triage action whose note ``extra`` is, or None."""
+    for sep in (STARTED, FINISHED):
+        owner, found, _ = extra.partition(sep)
+        if found and owner.startswith("replicheck:"):
+            return owner
+    return None
 
 
 def _format_memo(memo: _Memo) -> str:
