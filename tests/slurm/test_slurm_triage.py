@@ -219,6 +219,7 @@ def test_second_triage_waits_for_an_interrupted_one_on_the_same_node(slurm: Slur
         ({"triage": "ssh"}, "triage must be slurm or command"),
         ({"triage_command": ()}, "needs a triage_command"),
         ({"triage_timeout_s": 0}, "triage_timeout_s must be > 0"),
+        ({"triage_user": "alice,bob"}, "triage_user must be one user name"),
     ],
 )
 def test_bad_triage_settings_are_refused(options: dict[str, Any], message: str) -> None:

@@ -1,6 +1,7 @@
-"""``slurm``: drain, resume, fail with ``Action:Replace`` and requeue/resubmit through the
-Slurm client commands. Each call observes the node or job first so that repeating it after a
-crash is a no-op; node names are validated before they reach a command line."""
+"""``slurm``: drain, resume, fail with ``Action:Replace``, triage (a self-test job on the drained
+node: slurm_triage) and requeue/resubmit through the Slurm client commands. Each call observes
+the node or job first so that repeating it after a crash is a no-op; node names are validated
+before they reach a command line."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from replicheck.incident import CHECKPOINT_PATH, INCIDENT_ID, JOB_ID
 _SEP = "|#|"
 _SLURM_JOB_ID = re.compile(r"[0-9]{1,20}")
 """A numeric Slurm job id (ASCII digits only: ``str.isdigit`` accepts other scripts' digits)."""
+_USER = re.compile(r"[A-Za-z_][A-Za-z0-9._-]{0,63}")
 _STARTED, _DONE = "/started", "/done"
 """Suffixes of the node ``Extra`` marker around a custom replace command."""
 _UNSCHEDULABLE = ("drain", "fail", "down", "maint", "reboot", "power", "future", "unknown")
@@ -112,6 +114,8 @@ class SlurmConfig:
             raise ConfigError(f"triage_timeout_s must be > 0, got {self.triage_timeout_s!r}")
         if self.reference_node is not None:
             validate_node_name(self.reference_node)
+        if self.triage_user is not None and _USER.fullmatch(self.triage_user) is None:
+            raise ConfigError(f"triage_user must be one user name, got {self.triage_user!r}")
 
 
 class SlurmBackend:

@@ -8,8 +8,8 @@ A drained node accepts no job, not even in a maintenance reservation; but a node
 3. create the reservation (deterministic name per action key; reused if it exists);
 4. resume the node (it is now usable by the reservation only);
 5. run the self-test there with ``srun --reservation -w NODE`` and ``--expect`` the reference;
-6. drain the node again with the reason it had, delete the reservation;
-7. record the result in ``Extra``.
+6. record the result in ``Extra``;
+7. drain the node again with the reason it had, delete the reservation.
 
 Every step observes before it acts, and the ``Extra`` notes make a repeated call (the controller
 was killed at any point) continue where the last one stopped: a finished triage is answered
