@@ -156,9 +156,14 @@ def main(argv: list[str] | None = None) -> int:
         # Rounds stop early so that building, warm-up and the last round fit the budget.
         rounds_s = max(min(st.ratio_budget_s, timeout - 120.0), 5.0)
         cfg = dataclasses.replace(st, ratio_budget_s=rounds_s)
-        return Part(
-            result=run_single(step_ratio, (cfg,), backend=st.single_backend, timeout=timeout, threads=4)
+        res = run_single(step_ratio, (cfg,), backend=st.single_backend, timeout=timeout, threads=4)
+        inc = res["exact_mode_incident"]
+        detail = (
+            "no alarm in exact mode"
+            if inc is None
+            else f"FALSE ALARM in exact mode at step {inc['step']} (check {inc['check']}); figures are tolerant mode"
         )
+        return Part(checks={"exact_mode_no_false_alarm": {"ok": inc is None, "detail": detail}}, result=res)
 
     parts["guard_multiprocess"] = _run_part("guard_multiprocess", budget, 240.0, multiprocess)
     parts["nccl_smoke"] = _run_part("nccl_smoke", budget, 120.0, nccl)

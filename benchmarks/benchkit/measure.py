@@ -3,6 +3,7 @@ step-time ratio of a large model. Each runs inside ``run_single`` (its own proce
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 from collections.abc import Callable
@@ -14,7 +15,8 @@ from torch.nn.parallel import DistributedDataParallel
 from benchkit.interleave import run_rounds, summary
 from benchkit.settings import CheckSettings
 from replicheck import fingerprint as fp
-from replicheck.guard import Guard, GuardConfig
+from replicheck.guard import CorruptionDetected, Guard, GuardConfig
+from replicheck.guard.config import Mode
 from replicheck.harness.workloads import lm_loss_bf16, make_model, synthetic_batch
 
 
@@ -85,11 +87,19 @@ def _device_name(device: torch.device) -> str:
 
 
 def step_ratio(st: CheckSettings) -> dict[str, Any]:
-    """Plain and guarded DDP loops of the large model interleaved in one world-size-1 process."""
+    """Plain and guarded DDP loops of the large model interleaved in one world-size-1 process.
+
+    Exact mode first. A clean run has no fault, so an alarm there is a false alarm (a kernel the
+    probe passes could not make deterministic): it is recorded under ``exact_mode_incident`` and
+    the ratio is measured again in tolerant mode with a fresh guarded model, so the run still
+    yields a figure.
+    """
     import torch.distributed as dist
 
     device = _device(st)
     cuda = device.type == "cuda"
+    every = 10
+    world = dist.get_world_size()
 
     def build() -> tuple[DistributedDataParallel, torch.optim.Optimizer]:
         with torch.device(device):  # initialise on the device: 1B parameters on one CPU thread is slow
@@ -98,12 +108,7 @@ def step_ratio(st: CheckSettings) -> dict[str, Any]:
         return ddp, torch.optim.AdamW(ddp.parameters(), lr=1e-4)
 
     plain, plain_opt = build()
-    guarded, guarded_opt = build()
     params = sum(p.numel() for p in plain.parameters())
-    every = 10
-    cfg = GuardConfig(verify_every=every, weights_every=every, mode="exact", loss_reduction="sample_mean")
-    guard = Guard(guarded, guarded_opt, lm_loss_bf16, config=cfg, node="node0")
-    world = dist.get_world_size()
     batches = []
     for s in range(every):
         b = synthetic_batch(st.big, step=s, rank=0, batch=st.big_batch)
@@ -113,34 +118,55 @@ def step_ratio(st: CheckSettings) -> dict[str, Any]:
         if cuda:
             torch.cuda.synchronize(device)
 
-    def timed(use_guard: bool, i: int) -> float:
-        sync()
-        t0 = time.perf_counter()
-        if use_guard:
-            r = guard.step(batches[i])
-            if world == 1 and r.step % every == 0:
-                # At world size 1 the guard has no replica to compare with and skips the weights
-                # and optimizer-state digests; compute them anyway so the cost is counted.
-                guard.check_replicas()
-        else:
-            plain_opt.zero_grad(set_to_none=True)
-            lm_loss_bf16(plain, batches[i]).backward()
-            plain_opt.step()
-        sync()
-        return time.perf_counter() - t0
+    def plain_step(i: int) -> None:
+        plain_opt.zero_grad(set_to_none=True)
+        lm_loss_bf16(plain, batches[i]).backward()
+        plain_opt.step()
 
-    for i in range(2):  # DDP's bucket rebuild, allocator, kernels' autotuning, on both loops
-        timed(False, i)
-        timed(True, i)
-    while guard.next_step % every:
-        timed(True, 0)
-    t0 = time.monotonic()
-    rounds = run_rounds(
-        timed, rounds=st.rounds, block=every, verify_every=every, deadline=t0 + st.ratio_budget_s
-    )
-    out = summary(rounds)
+    def measure(mode: Mode, seconds: float) -> dict[str, Any]:
+        guarded, guarded_opt = build()
+        cfg = GuardConfig(verify_every=every, weights_every=every, mode=mode, loss_reduction="sample_mean")
+        guard = Guard(guarded, guarded_opt, lm_loss_bf16, config=cfg, node="node0")
+
+        def timed(use_guard: bool, i: int) -> float:
+            sync()
+            t0 = time.perf_counter()
+            if use_guard:
+                r = guard.step(batches[i])
+                if world == 1 and r.step % every == 0:
+                    # At world size 1 the guard has no replica to compare with and skips the
+                    # weights and optimizer-state digests; compute them anyway so they are counted.
+                    guard.check_replicas()
+            else:
+                plain_step(i)
+            sync()
+            return time.perf_counter() - t0
+
+        for i in range(2):  # DDP's bucket rebuild, allocator, kernel autotuning, on both loops
+            timed(False, i)
+            timed(True, i)
+        while guard.next_step % every:
+            timed(True, 0)
+        t0 = time.monotonic()
+        rounds = run_rounds(timed, rounds=st.rounds, block=every, verify_every=every, deadline=t0 + seconds)
+        out = summary(rounds)
+        out["seconds"] = round(time.monotonic() - t0, 1)
+        out["guard"] = f"{mode} mode, verify_every=10, weights_every=10, probe_size 1 (split)"
+        return out
+
+    start = time.monotonic()
+    incident = None
+    try:
+        out = measure("exact", st.ratio_budget_s)
+    except CorruptionDetected as exc:
+        incident = exc.incident.to_dict()
+        gc.collect()  # the exact-mode guarded model and its optimizer state: free them first
+        if cuda:
+            torch.cuda.empty_cache()
+        out = measure("tolerant", max(st.ratio_budget_s - (time.monotonic() - start), 1.0))
     out.update(
         {
+            "exact_mode_incident": incident,
             "setup": f"world size {world}, {dist.get_backend()}, DDP, one process"
             + (", weights/optimizer digests via Guard.check_replicas() every 10 steps" if world == 1 else ""),
             "device": _device_name(device),
@@ -153,8 +179,6 @@ def step_ratio(st: CheckSettings) -> dict[str, Any]:
             },
             "tokens_per_step": st.big_batch * st.big.seq_len,
             "precision": "bf16 autocast (lm_loss_bf16), fp32 weights, AdamW",
-            "guard": "exact mode, verify_every=10, weights_every=10, probe_size 1 (split)",
-            "seconds": round(time.monotonic() - t0, 1),
         }
     )
     return out

@@ -108,7 +108,7 @@ def markdown(data: dict[str, Any]) -> str:
             lines.append("")
         if name == "step_ratio" and r:
             lines += [
-                f"{r['setup']}; {r['parameters'] / 1e6:,.1f}M parameters, {r['tokens_per_step']} tokens per "
+                f"{r['setup']}; {r['parameters']:,} parameters, {r['tokens_per_step']} tokens per "
                 f"step, {r['precision']}; {r['guard']}.",
                 "",
                 "| figure | value |",
