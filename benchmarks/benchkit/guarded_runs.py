@@ -169,7 +169,8 @@ def smoke(st: CheckSettings) -> dict[str, Any]:
     out = one_run(0, "node0", st, device, steps=6, verify_every=3, count_syncs=True)
     out["backend"] = dist.get_backend()
     _, ddp, opt = build(st, device)
-    counter, plain = SyncCounter(device), []
+    counter = SyncCounter(device)
+    plain: list[int | None] = []
     for s in range(3):
         with counter.count(plain):
             opt.zero_grad(set_to_none=True)

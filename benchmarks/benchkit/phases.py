@@ -38,6 +38,15 @@ class Target:
     """Nested wrapped calls add to this component instead of their own."""
 
 
+@dataclass
+class _Frame:
+    """A wrapped call in progress on one thread."""
+
+    absorbing: bool
+    nested: float = 0.0
+    """Wall time of the wrapped calls made inside it so far."""
+
+
 class PhaseTimer:
     """Exclusive wall time per component while installed; see the module docstring."""
 
@@ -48,8 +57,8 @@ class PhaseTimer:
         self.missing: list[str] = []
         self._local = threading.local()
 
-    def _stack(self) -> list[list[Any]]:
-        stack: list[list[Any]] | None = getattr(self._local, "stack", None)
+    def _stack(self) -> list[_Frame]:
+        stack: list[_Frame] | None = getattr(self._local, "stack", None)
         if stack is None:
             stack = self._local.stack = []
         return stack
@@ -58,9 +67,9 @@ class PhaseTimer:
         @functools.wraps(fn)
         def timed(*args: Any, **kwargs: Any) -> Any:
             stack = self._stack()
-            if any(frame[2] for frame in stack):  # inside an absorbing component
+            if any(f.absorbing for f in stack):  # inside an absorbing component
                 return fn(*args, **kwargs)
-            frame = [target.component, 0.0, target.absorbing]  # component, nested time, absorbing
+            frame = _Frame(absorbing=target.absorbing)
             stack.append(frame)
             t0 = time.perf_counter()
             try:
@@ -71,10 +80,10 @@ class PhaseTimer:
                 name = target.component
                 if threading.current_thread() is not threading.main_thread():
                     name += " [other thread]"
-                self.totals[name] += elapsed - frame[1]
+                self.totals[name] += elapsed - frame.nested
                 self.calls[name] += 1
                 if stack:
-                    stack[-1][1] += elapsed
+                    stack[-1].nested += elapsed
 
         return timed
 
