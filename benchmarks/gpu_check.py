@@ -1,6 +1,6 @@
 """The GPU check of issue 11: one prepared run on one CUDA device, under 8 minutes.
 
-    python benchmarks/gpu_check.py [--out docs/results] [--budget-s 460] [--rounds 24]
+    python benchmarks/gpu_check.py [--out docs/results] [--budget-s 420] [--rounds 24]
     python benchmarks/gpu_check.py --tiny --out DIR      # the same code paths on the CPU
 
 Parts, each in its own process and judged on its own (one failure leaves the others' results):
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="the same code paths on the CPU, in seconds")
     parser.add_argument("--out", type=Path, help="directory for gpu.json and gpu.md (default docs/results)")
-    parser.add_argument("--budget-s", type=float, help="overall time budget (default 460; 150 with --tiny)")
+    parser.add_argument("--budget-s", type=float, help="overall time budget (default 420; 150 with --tiny)")
     parser.add_argument("--rounds", type=int, default=24, help="interleaved rounds of the step-time ratio")
     args = parser.parse_args(argv)
     if args.tiny and args.out is None:
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--rounds must be >= 1")
     out: Path = args.out if args.out is not None else Path("docs/results")
     st = tiny_settings(min(args.rounds, 2)) if args.tiny else gpu_settings(args.rounds)
-    budget = Budget(args.budget_s if args.budget_s is not None else (150.0 if args.tiny else 460.0))
+    budget = Budget(args.budget_s if args.budget_s is not None else (150.0 if args.tiny else 420.0))
     if not args.tiny:
         # Deterministic cuBLAS, as PyTorch documents for use_deterministic_algorithms; set before
         # any process initialises CUDA (the parts' processes inherit it).

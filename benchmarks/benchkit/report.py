@@ -25,8 +25,10 @@ FORMAT_DOC = """\
     (SDPA attention, dropout on the embeddings), exact mode, verify and weights every 4 steps, 10
     steps. Checks `clean_exact_verifications_pass`, `forward_fault_caught` and
     `backward_fault_caught` (a persistent fault on rank 1 from step 5, caught at step 8 by the
-    replay with suspect rank 1 and its node), `resume_bit_identical` (resumed from the checkpoint
-    saved after step 4: the same losses and final weights as the uninterrupted run).
+    replay with suspect rank 1 and its node), `resume_bit_identical` (a fresh model, optimizer and
+    guard in the same processes, restored from the checkpoint store's save after step 4, with the
+    CPU and device RNG states saved in the checkpoint's `extra`: the same losses and final weights
+    as the uninterrupted run). The four runs share one launch of the 3 processes.
   - `nccl_smoke`: the same guarded loop at world size 1 over NCCL (gloo with `--tiny`), 6 steps,
     verify every 3. Checks `guarded_loop_runs`, `backend`.
   - `fingerprint_throughput`: a float32 tensor (4 GiB; 8 MiB with `--tiny`): milliseconds and

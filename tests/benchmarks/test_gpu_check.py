@@ -84,3 +84,12 @@ def test_full_run_without_cuda_is_refused(tmp_path: Path) -> None:
     assert proc.returncode == 2
     assert "use --tiny" in proc.stderr
     assert not (tmp_path / "gpu.json").exists()
+
+
+def test_the_committed_gpu_page_documents_the_format_the_script_writes() -> None:
+    """docs/results/gpu.md holds the script's format section word for word (a template until a
+    GPU run replaces it, and the same section after)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from benchkit.report import FORMAT_DOC
+
+    assert FORMAT_DOC in (ROOT / "docs" / "results" / "gpu.md").read_text(encoding="utf-8")
