@@ -58,7 +58,9 @@ def test_the_guard_phases_exist_in_this_version() -> None:
     timer = PhaseTimer(GUARD_PHASES)
     with timer.installed():
         pass
-    assert timer.missing == []
+    assert timer.missing == [], (
+        "a guard phase was renamed: update GUARD_PHASES in benchmarks/benchkit/phases.py"
+    )
 
 
 def test_breakdown_rows_charge_the_split_against_the_plain_pass() -> None:
