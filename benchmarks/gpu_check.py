@@ -157,6 +157,12 @@ def main(argv: list[str] | None = None) -> int:
         rounds_s = max(min(st.ratio_budget_s, timeout - 120.0), 5.0)
         cfg = dataclasses.replace(st, ratio_budget_s=rounds_s)
         res = run_single(step_ratio, (cfg,), backend=st.single_backend, timeout=timeout, threads=4)
+        syncs["step_ratio_large_model_world_size_1"] = {
+            "ordinary": _median(res["syncs_ordinary"]),
+            "verification": _median(res["syncs_verify"]),
+            "ordinary_per_step": res["syncs_ordinary"],
+            "verification_per_step": res["syncs_verify"],
+        }
         inc = res["exact_mode_incident"]
         detail = (
             "no alarm in exact mode"

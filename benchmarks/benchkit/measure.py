@@ -14,6 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from benchkit.interleave import run_rounds, summary
 from benchkit.settings import CheckSettings
+from benchkit.syncs import SyncCounter
 from replicheck import fingerprint as fp
 from replicheck.guard import CorruptionDetected, Guard, GuardConfig
 from replicheck.guard.config import Mode
@@ -152,6 +153,17 @@ def step_ratio(st: CheckSettings) -> dict[str, Any]:
         out = summary(rounds)
         out["seconds"] = round(time.monotonic() - t0, 1)
         out["guard"] = f"{mode} mode, verify_every=10, weights_every=10, probe_size 1 (split)"
+        # One more verification period with device->host synchronisations counted (after the
+        # timed rounds: counting slows the step down).
+        counter, ordinary, verification = SyncCounter(device), [], []
+        for i in range(every):
+            counts: list[int | None] = []
+            with counter.count(counts):
+                r = guard.step(batches[i])
+            (verification if r.verified else ordinary).append(counts[0])
+        out["syncs_ordinary"], out["syncs_verify"] = ordinary, verification
+        if cuda:
+            out["peak_memory_GiB"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 1)
         return out
 
     start = time.monotonic()

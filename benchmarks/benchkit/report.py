@@ -44,8 +44,9 @@ FORMAT_DOC = """\
     extras, `rounds` run (24 asked, ended early past 150 s: `stopped_early`).
 - `syncs_per_step`: device→host synchronisations per guarded step counted with
   `torch.cuda.set_sync_debug_mode("warn")` (rank 0 of the multi-process clean run; the world-size-1
-  smoke, with the plain DDP loop's count for comparison), split into ordinary and verification
-  steps; `null` values on the CPU (`--tiny`), where there is nothing to count. The debug mode does
+  smoke, with the plain DDP loop's count for comparison; one more verification period of the
+  large model after its timed rounds), split into ordinary and verification steps (medians, and
+  every step's count); `null` values on the CPU (`--tiny`), where there is nothing to count. The debug mode does
   not instrument `torch.distributed`, so these are the guard's own transfers, a lower bound.
 
 The exit status is 0 when every part passed, 1 when any part failed or ran out of the overall

@@ -57,9 +57,14 @@ def test_tiny_run_passes_every_part_and_writes_the_documented_format(tmp_path: P
     ratio = data["parts"]["step_ratio"]["result"]
     assert ratio["rounds"] == 2 and ratio["steps_per_round"] == 10 and ratio["ratio_of_totals"] > 0
     # No device: the sync counts are reported as unknown, not as zero.
-    assert set(data["syncs_per_step"]) == {"guard_3_ranks_gloo_rank0", "smoke_world_size_1"}
+    assert set(data["syncs_per_step"]) == {
+        "guard_3_ranks_gloo_rank0",
+        "smoke_world_size_1",
+        "step_ratio_large_model_world_size_1",
+    }
     for run in data["syncs_per_step"].values():
         assert run["ordinary"] is None and run["verification"] is None
+        assert run["ordinary_per_step"] and all(v is None for v in run["ordinary_per_step"])
     md = (tmp_path / "gpu.md").read_text()
     for heading in ("# GPU check", *[f"## {p}" for p in PARTS], "## Output format"):
         assert heading in md
