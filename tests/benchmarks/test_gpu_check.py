@@ -71,6 +71,19 @@ def test_tiny_run_passes_every_part_and_writes_the_documented_format(tmp_path: P
     assert "Overall: **passed**" in md
 
 
+@pytest.mark.timeout(120)
+def test_a_spent_budget_fails_the_parts_left_and_still_writes_the_report(tmp_path: Path) -> None:
+    """With an overall budget that one part uses up, the parts after it are reported as not run,
+    the report is written anyway and the exit status is 1."""
+    proc = _run("--tiny", "--out", str(tmp_path), "--budget-s", "25", timeout=100)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    data = json.loads((tmp_path / "gpu.json").read_text())
+    assert data["ok"] is False and tuple(data["parts"]) == PARTS
+    last = data["parts"]["step_ratio"]
+    assert last["ok"] is False and last["error"].startswith("not run:")
+    assert "FAILED" in (tmp_path / "gpu.md").read_text()
+
+
 @pytest.mark.timeout(60)
 def test_tiny_without_out_is_refused_before_anything_runs(tmp_path: Path) -> None:
     """--tiny without --out exits 2 with a message instead of overwriting docs/results."""
