@@ -71,7 +71,10 @@ def throughput(st: CheckSettings) -> dict[str, Any]:
             "ms": round(s * 1e3, 3),
             "tensor_GBps": round(size / s / 1e9, 2),
             "memory_GBps": round(moved / s / 1e9, 2),
-            "fraction_of_copy_bandwidth": round(size / s / copy_bw, 3),
+            # The reference itself: a copy moves each byte twice, so this would read 0.5 by definition.
+            "fraction_of_copy_bandwidth": None
+            if name in ("copy_", "clone")
+            else round(size / s / copy_bw, 3),
         }
     return {
         "tensor": {"dtype": "float32", "bytes": size, "device": _device_name(device)},

@@ -35,7 +35,8 @@ FORMAT_DOC = """\
     GB/s of `copy_`, `clone`, `fingerprint.digest`, `digest(fold_zero=True)` and
     `fingerprint.sketch(k=4)` (median of 10, CUDA events); `copy_bandwidth_GBps` counts the bytes
     read and written by `copy_`; each fingerprint's `fraction_of_copy_bandwidth` is its tensor
-    GB/s over that (goal ≥ 0.5: reading the tensor once at the speed a copy moves memory is 1.0).
+    GB/s over that (goal ≥ 0.5: reading the tensor once at the speed a copy moves memory is 1.0;
+    `null` for the copies themselves); `digest_meets_goal`, `sketch_meets_goal`.
   - `step_ratio`: plain and guarded DDP loops of a 0.94B-parameter Llama-style decoder (d_model
     2048, 16 layers, vocab 32000, 8 × 1024 tokens per step, bf16 autocast, AdamW) interleaved in
     one process at world size 1 over NCCL, exact mode, verify and weights every 10 (the weights
@@ -107,8 +108,15 @@ def markdown(data: dict[str, Any]) -> str:
                 "|---|---|---|---|",
             ]
             for op, v in r["ops"].items():
-                lines.append(f"| {op} | {v['ms']} | {v['tensor_GBps']} | {v['fraction_of_copy_bandwidth']} |")
-            lines.append("")
+                frac = v["fraction_of_copy_bandwidth"]
+                lines.append(f"| {op} | {v['ms']} | {v['tensor_GBps']} | {'–' if frac is None else frac} |")
+            yes = {True: "met", False: "NOT met"}
+            lines += [
+                "",
+                f"Goal (fingerprint GB/s ≥ 0.5 × copy bandwidth): digest {yes[r['digest_meets_goal']]}, "
+                f"sketch {yes[r['sketch_meets_goal']]}.",
+                "",
+            ]
         if name == "step_ratio" and r:
             lines += [
                 f"{r['setup']}; {r['parameters']:,} parameters, {r['tokens_per_step']} tokens per "
