@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 EXTRAS ?= test,plot,progress,lint,kubernetes,hyperpod,http,metrics
 
-.PHONY: demo test test-slow lint bench campaign system-deps clean
+.PHONY: demo test test-slow lint bench gpu-check campaign system-deps clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,10 @@ test-slow: $(STAMP) system-deps
 
 bench: $(STAMP)
 	$(PY) benchmarks/overhead.py
+
+# The GPU check of issue 11 on one CUDA device (< 8 minutes): writes docs/results/gpu.md and gpu.json.
+gpu-check: $(STAMP)
+	$(PY) benchmarks/gpu_check.py --out docs/results
 
 campaign: $(STAMP)
 	$(PY) -m replicheck campaign --out docs/results
