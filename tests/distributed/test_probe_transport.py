@@ -50,7 +50,7 @@ def _sample_loss(module: nn.Module, batch: Sample) -> torch.Tensor:
     return (pred - batch.target[0]).square().mean()
 
 
-def _device_job(ctx: RankContext) -> dict[str, Any]:
+def _device_job(ctx: RankContext, break_arbiter: bool = False) -> dict[str, Any]:
     torch.manual_seed(0)
     model = DistributedDataParallel(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)))
     param_device = next(model.parameters()).device
@@ -70,6 +70,9 @@ def _device_job(ctx: RankContext) -> dict[str, Any]:
             from_spy = any(out is batch and dev == param_device for out, dev in moved)
             devices = [str(t.device) for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]
             replays.append((current_step(), from_spy, devices, type(batch).__name__))
+            second = sum(1 for s, *_ in replays if s == 2) == 2
+            if break_arbiter and ctx.rank != 1 and second:
+                raise RuntimeError("the arbiter's replay broke")
         return _sample_loss(module, batch)
 
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -87,6 +90,8 @@ def _device_job(ctx: RankContext) -> dict[str, Any]:
             guard.step(_sample(s, ctx.rank))
     except CorruptionDetected as exc:
         outcome = f"corruption at {exc.incident.step}: {list(exc.incident.suspect_ranks)}"
+    except (RuntimeError, PeerFailed) as exc:
+        outcome = f"{type(exc).__name__}: {exc}"
     return {"replays": replays, "outcome": outcome}
 
 
@@ -103,6 +108,16 @@ def test_replayed_batches_are_moved_to_the_parameters_device() -> None:
         for step, from_spy, devices, kind in r["replays"]:
             assert from_spy, (step, devices)
             assert kind == "Sample" and devices and set(devices) == {"cpu"}
+
+
+@pytest.mark.timeout(180)
+def test_an_error_in_an_arbitration_replay_stops_every_rank() -> None:
+    """The arbiter's replay raising does not leave the other ranks in the failure path's
+    collectives: the arbiter raises its error, every other rank PeerFailed naming it."""
+    outcomes = [r["outcome"] for r in run_local(_device_job, node_names(3, 1), args=(True,), timeout=150)]
+    broke = [o for o in outcomes if o.startswith("RuntimeError: the arbiter's replay broke")]
+    peers = [o for o in outcomes if o.startswith("PeerFailed: step 2 stopped")]
+    assert len(broke) == 1 and len(peers) == 2, outcomes
 
 
 class _Attention(nn.Module):
