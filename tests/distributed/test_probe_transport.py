@@ -11,6 +11,7 @@ from typing import Any, NamedTuple
 import pytest
 import torch
 import torch.nn.functional as F
+from test_comm_exchange import _p2p_spy
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -85,25 +86,29 @@ def _device_job(ctx: RankContext, break_arbiter: bool = False) -> dict[str, Any]
 
         model.module[0].register_forward_hook(fault)
     outcome = "no alarm"
-    try:
-        for s in range(4):
-            guard.step(_sample(s, ctx.rank))
-    except CorruptionDetected as exc:
-        outcome = f"corruption at {exc.incident.step}: {list(exc.incident.suspect_ranks)}"
-    except (RuntimeError, PeerFailed) as exc:
-        outcome = f"{type(exc).__name__}: {exc}"
-    return {"replays": replays, "outcome": outcome}
+    with _p2p_spy() as p2p:
+        try:
+            for s in range(4):
+                guard.step(_sample(s, ctx.rank))
+        except CorruptionDetected as exc:
+            outcome = f"corruption at {exc.incident.step}: {list(exc.incident.suspect_ranks)}"
+        except (RuntimeError, PeerFailed) as exc:
+            outcome = f"{type(exc).__name__}: {exc}"
+    return {"replays": replays, "outcome": outcome, "p2p": dict(p2p)}
 
 
 @pytest.mark.timeout(180)
 def test_replayed_batches_are_moved_to_the_parameters_device() -> None:
     """Every replay (ring, arbitration, re-run) runs on a batch that went through to_device with
-    the parameters' device, rebuilt as the user's dataclass and named tuple."""
+    the parameters' device, rebuilt as the user's dataclass and named tuple; the guard's exchanges
+    go through grouped batches only (no bare isend/irecv)."""
     results = run_local(_device_job, node_names(3, 1), timeout=150)
     assert {r["outcome"] for r in results} == {"corruption at 2: [1]"}
     arbiter = [r for r in results if sum(1 for s, *_ in r["replays"] if s == 2) >= 2]
     assert arbiter, "no rank replayed twice at the faulty step (arbitration or re-run)"
     for r in results:
+        # ring exchanges of steps 0-2 (lengths, then data), plus arbitration for some ranks
+        assert r["p2p"]["bare"] == 0 and r["p2p"]["batches"] >= 6, r["p2p"]
         assert r["replays"], "every rank replays its source's probe"
         for step, from_spy, devices, kind in r["replays"]:
             assert from_spy, (step, devices)
