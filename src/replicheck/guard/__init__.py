@@ -6,6 +6,7 @@ from replicheck.guard.core import Guard, StepResult
 from replicheck.guard.errors import (
     BatchError,
     CorruptionDetected,
+    DeterminismError,
     GuardConfigError,
     GuardError,
     GuardMisuseError,
@@ -18,6 +19,7 @@ from replicheck.guard.ring import Ring
 __all__ = [
     "BatchError",
     "CorruptionDetected",
+    "DeterminismError",
     "Guard",
     "GuardConfig",
     "GuardConfigError",

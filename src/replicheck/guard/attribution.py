@@ -12,6 +12,7 @@ from typing import Any
 
 from replicheck.guard.comm import Comm
 from replicheck.guard.config import Mode
+from replicheck.guard.errors import PeerFailed
 from replicheck.guard.probe import agrees, compare
 from replicheck.guard.ring import Ring
 from replicheck.guard.verdict import Finding, arbitrate, attribute_pairs
@@ -190,11 +191,16 @@ def _arbitrate(
     sends = [(arb, request.encode()) for _, ver, arb in tasks if ver == rank]
     inbox = comm.exchange(sends, [ver for _, ver, arb in tasks if arb == rank])
     mine = []
+    error: Exception | None = None
     for src, ver, arb in tasks:
         if arb != rank:
             continue
-        msg = ArbitrationRequest.decode(inbox[ver])
-        result = replay(msg.payload)
+        try:
+            msg = ArbitrationRequest.decode(inbox[ver])
+            result = replay(msg.payload)
+        except Exception as exc:  # noqa: BLE001 - re-raised below, after every rank has gathered
+            error = exc
+            break
         mine.append(
             _Arbitration(
                 source=src,
@@ -204,7 +210,9 @@ def _arbitrate(
                 agrees_with_verifier=criterion.agree(msg.verifier_result, result),
             )
         )
-    return [a for reports in comm.gather_objects(mine) for a in reports]
+    reports = comm.gather_objects((error is None, mine))
+    _stop_on_failure(view.own.step, [ok for ok, _ in reports], error)
+    return [a for _, done in reports for a in done]
 
 
 def _classify(
@@ -217,10 +225,27 @@ def _classify(
 ) -> list[_Rerun]:
     """Each suspect recomputes what it is blamed for and compares with its first answer."""
     mine: _Rerun | None = None
+    error: Exception | None = None
     if comm.rank in suspects:
-        if comm.rank in sources:
-            again, first, what = replay(view.own), view.own.result, "own probe"
-        else:
-            again, first, what = replay(view.received), view.replayed, "replay of its source's probe"
-        mine = _Rerun(rank=comm.rank, rerun=what, same_answer=criterion.agree(first, again))
-    return [r for r in comm.gather_objects(mine) if r is not None]
+        try:
+            if comm.rank in sources:
+                again, first, what = replay(view.own), view.own.result, "own probe"
+            else:
+                again, first, what = replay(view.received), view.replayed, "replay of its source's probe"
+            mine = _Rerun(rank=comm.rank, rerun=what, same_answer=criterion.agree(first, again))
+        except Exception as exc:  # noqa: BLE001 - re-raised below, after every rank has gathered
+            error = exc
+    reports = comm.gather_objects((error is None, mine))
+    _stop_on_failure(view.own.step, [ok for ok, _ in reports], error)
+    return [r for _, r in reports if r is not None]
+
+
+def _stop_on_failure(step: int, ok: Sequence[bool], error: Exception | None) -> None:
+    """After a gather: a rank whose re-run failed raises its error, every other rank PeerFailed,
+    so no rank is left waiting in a later collective of the failure path."""
+    failed = tuple(r for r, fine in enumerate(ok) if not fine)
+    if not failed:
+        return
+    if error is not None:
+        raise error
+    raise PeerFailed(step, failed)

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from replicheck.guard.batch import pack, unpack
+from replicheck.guard.errors import CommError
 
 T = TypeVar("T")
 
@@ -27,6 +28,7 @@ class Comm:
             torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         )
         self._host_group: dist.ProcessGroup | None = None
+        self._p2p_ready = False
 
     def global_rank(self, group_rank: int) -> int:
         if not self.distributed or self.group is None:
@@ -74,35 +76,56 @@ class Comm:
     def exchange(self, sends: Sequence[tuple[int, object]], recv_from: Sequence[int]) -> dict[int, object]:
         """Send each ``(dest, obj)`` and receive one object from every rank in ``recv_from``.
 
-        Every rank posts all its sends and receives before waiting, so any pattern of pairs
-        completes as long as every send has its matching receive.
+        Collective: every rank of the group calls it at the same point, also a rank with nothing
+        to send or receive. The lengths, then the data, travel as one grouped
+        ``batch_isend_irecv`` each, so no pattern of pairs (a ring included) can deadlock on the
+        order in which ranks post their sends and receives, which separate ``isend``/``irecv``
+        calls can under NCCL. At most one message per pair and direction.
         """
+        _check_pattern(self.rank, self.world_size, [dst for dst, _ in sends], list(recv_from))
         if self.world_size == 1:
             return {src: obj for (_, obj), src in zip(sends, recv_from)}
-        payloads = [(dst, pack(obj)) for dst, obj in sends]
-        lengths_in = {src: torch.zeros(1, dtype=torch.int64, device=self.device) for src in recv_from}
-        reqs = [
-            dist.isend(
-                torch.tensor([p.numel()], dtype=torch.int64, device=self.device), self._g(dst), self.group
-            )
-            for dst, p in payloads
+        self._ensure_p2p_ready()
+        payloads = [(dst, pack(obj).to(self.device)) for dst, obj in sends]
+        lengths_out = [
+            (dst, torch.tensor([p.numel()], dtype=torch.int64, device=self.device)) for dst, p in payloads
         ]
-        reqs += [dist.irecv(t, self._g(src), self.group) for src, t in lengths_in.items()]
-        _wait(reqs)
-        data_in = {
-            src: torch.empty(int(n.item()), dtype=torch.uint8, device=self.device)
-            for src, n in lengths_in.items()
-        }
-        reqs = [dist.isend(p.to(self.device), self._g(dst), self.group) for dst, p in payloads]
-        reqs += [dist.irecv(t, self._g(src), self.group) for src, t in data_in.items()]
-        _wait(reqs)
-        return {src: unpack(t) for src, t in data_in.items()}
+        lengths_in = [(src, torch.zeros(1, dtype=torch.int64, device=self.device)) for src in recv_from]
+        self._grouped(lengths_out, lengths_in)
+        data_in = [
+            (src, torch.empty(int(n.item()), dtype=torch.uint8, device=self.device)) for src, n in lengths_in
+        ]
+        self._grouped(payloads, data_in)
+        return {src: unpack(t) for src, t in data_in}
 
-    def _g(self, group_rank: int) -> int:
-        return self.global_rank(group_rank)
+    def _ensure_p2p_ready(self) -> None:
+        """One collective over the group before its first point-to-point batch.
+
+        NCCL requires every rank of the group in the group's first collective call; a batch that
+        involves only some ranks (arbitration) is allowed only after that. Every rank calls
+        :meth:`exchange` at the same points, so this runs on every rank alike.
+        """
+        if not self._p2p_ready:
+            self.gather_rows(torch.zeros(1, dtype=torch.int64))
+            self._p2p_ready = True
+
+    def _grouped(
+        self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]]
+    ) -> None:
+        """Post ``sends`` and ``recvs`` (group ranks) as one batch and wait for all of them."""
+        ops = [dist.P2POp(dist.isend, t, group=self.group, group_peer=dst) for dst, t in sends]
+        ops += [dist.P2POp(dist.irecv, t, group=self.group, group_peer=src) for src, t in recvs]
+        if not ops:
+            return  # torch refuses an empty batch; this rank takes no part in this exchange
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
 
 
-def _wait(requests: Sequence[dist.Work | None]) -> None:
-    for r in requests:
-        if r is not None:
-            r.wait()
+def _check_pattern(rank: int, world_size: int, dests: Sequence[int], sources: Sequence[int]) -> None:
+    """Refuse what the grouped exchange cannot match: a peer twice, this rank, or no such rank."""
+    for kind, peers in (("destination", dests), ("source", sources)):
+        if len(set(peers)) != len(peers):
+            raise CommError(f"exchange: a {kind} appears twice in {list(peers)}")
+        bad = [p for p in peers if not 0 <= p < world_size or (p == rank and world_size > 1)]
+        if bad:
+            raise CommError(f"exchange: invalid {kind} rank(s) {bad} on rank {rank} of {world_size}")

@@ -23,6 +23,7 @@ from replicheck.guard.batch import batch_size, split, to_device
 from replicheck.guard.comm import Comm
 from replicheck.guard.config import GuardConfig, ProbeMode
 from replicheck.guard.context import running
+from replicheck.guard.determinism import determinism_error, prepare_cublas
 from replicheck.guard.errors import (
     BatchError,
     CorruptionDetected,
@@ -45,6 +46,7 @@ from replicheck.guard.probe import (
 )
 from replicheck.guard.report import IncidentBuilder
 from replicheck.guard.ring import Ring
+from replicheck.guard.rng import forked_rng
 from replicheck.guard.runtime import RuntimeInfo
 from replicheck.guard.support import (
     check_loss_fn,
@@ -143,6 +145,7 @@ class Guard:
         named = self._checked_params()
         self._params = [p for _, p in named]
         self._device = self._params[0].device
+        prepare_cublas(self._device, cfg.use_deterministic)
 
         identity, job_id = _identity(node, cfg.job_id)
         self._nodes: tuple[NodeIdentity, ...] = tuple(self._comm.gather_objects(identity))
@@ -492,7 +495,10 @@ class Guard:
                 loss, count = self._forward(s, lambda: self._loss_fn(self._model, probe_batch), "probe")
                 self._note_loss_kind(count)
                 weight = 1.0 if count is not None else weight
-                _backward(loss * weight)
+                try:
+                    _backward(loss * weight)
+                except Exception as exc:  # noqa: BLE001 - stops every rank at the next pass's flag
+                    self._failure = determinism_error(exc) or exc
             result = ProbeResult(
                 float(loss.detach()), self._fingerprinter([q.grad for q in self._params], seed)
             )
@@ -623,7 +629,7 @@ class Guard:
         """One synced backward, gradients discarded, so DDP settles its bucket layout."""
         self._needs_rebuild = False
         with (
-            torch.random.fork_rng(devices=[]),
+            forked_rng(p.device for p in self._params),
             running(self._next_step, "rebuild"),
             buffers_restored(self._module),
         ):

@@ -13,6 +13,19 @@ class GuardConfigError(GuardError, ValueError):
     """A guard configuration or argument is invalid."""
 
 
+class DeterminismError(GuardConfigError):
+    """A probe pass (exact mode, deterministic kernels) hit an operation with no deterministic kernel."""
+
+    def __init__(self, message: str, op: str | None = None) -> None:
+        self.op = op
+        """The operation torch named, when it named one."""
+        super().__init__(message)
+
+
+class CommError(GuardError):
+    """The guard's point-to-point exchange was asked for a pattern it cannot match."""
+
+
 class BatchError(GuardError, ValueError):
     """A batch is not a pytree of tensors sharing their first (sample) dimension."""
 

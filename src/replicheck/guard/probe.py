@@ -10,10 +10,26 @@ from typing import Any
 import torch
 
 from replicheck import fingerprint as fp
+from replicheck.guard.batch import to_device
 from replicheck.guard.config import Mode
 from replicheck.guard.context import PassName, running
+from replicheck.guard.determinism import deterministic
 from replicheck.guard.loss import LossFn, unpack
+from replicheck.guard.rng import forked_rng
 from replicheck.guard.wire import ProbePayload, ProbeResult, float_bits
+
+__all__ = [
+    "BackwardPass",
+    "Comparison",
+    "Fingerprinter",
+    "Recompute",
+    "agrees",
+    "buffers_restored",
+    "compare",
+    "deterministic",
+    "probe_seed",
+    "seeded",
+]
 
 
 def probe_seed(base: int, step: int, rank: int) -> int:
@@ -22,28 +38,9 @@ def probe_seed(base: int, step: int, rank: int) -> int:
 
 
 @contextlib.contextmanager
-def deterministic(enabled: bool) -> Iterator[None]:
-    """Deterministic kernels for the duration of one pass, restored afterwards."""
-    if not enabled:
-        yield
-        return
-    prev = torch.are_deterministic_algorithms_enabled()
-    prev_warn = torch.is_deterministic_algorithms_warn_only_enabled()
-    prev_cudnn = (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(prev, warn_only=prev_warn)
-        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = prev_cudnn
-
-
-@contextlib.contextmanager
 def seeded(seed: int, device: torch.device) -> Iterator[None]:
-    """Fork the RNG (the main stream is untouched) and seed the fork."""
-    devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices, device_type=device.type if devices else "cuda"):
+    """Fork the CPU's and ``device``'s generators (the main streams are untouched); seed the forks."""
+    with forked_rng([device]):
         torch.manual_seed(seed)
         yield
 
@@ -135,7 +132,8 @@ class Recompute:
         its own inner ``backward`` into ``.grad``), so from the first such refusal on the pass
         runs ``backward`` into scratch ``.grad`` slots instead.
         """
-        loss, _ = unpack(self._loss_fn(self._module, batch))
+        # A batch received from another rank arrives on the host: run it where the module lives.
+        loss, _ = unpack(self._loss_fn(self._module, to_device(batch, self._device)))
         scaled = loss * weight
         if self._scratch_backward:
             return loss, _backward_into_scratch(scaled, self._params)
@@ -158,7 +156,7 @@ class Recompute:
         unseeded, as in the step, so a fault that depends on the shape of a pass reproduces.
         """
         acc: list[torch.Tensor | None] = [None] * len(self._params)
-        with torch.random.fork_rng(devices=[]), running(step, "replay"):
+        with forked_rng(p.device for p in self._params), running(step, "replay"):
             for p in passes:
                 for _attempt in range(2):
                     ctx = seeded(p.seed, self._device) if p.seed is not None else contextlib.nullcontext()
