@@ -611,7 +611,9 @@ class Guard:
 
     def _raise(self, s: int, findings: list[Finding]) -> NoReturn:
         self._optimizer.zero_grad(set_to_none=True)
-        incident = self._reporter.build(s, findings, self.last_verified_step)
+        incident = self._reporter.build(
+            s, findings, self.last_verified_step, time=self._reporter.raised_at(self._comm)
+        )
         try:
             self._reporter.write(incident)
         except OSError as exc:
