@@ -148,7 +148,7 @@ class Guard:
         self._nodes: tuple[NodeIdentity, ...] = tuple(self._comm.gather_objects(identity))
         self._ring = Ring.build([n.name for n in self._nodes])
 
-        self._fingerprinter = Fingerprinter(cfg.mode, cfg.sketch_k)
+        self._fingerprinter = Fingerprinter(cfg.mode, cfg.sketch_k, cfg.sketch_block)
         self._recompute = Recompute(
             self._module, loss_fn, self._params, self._fingerprinter, cfg.use_deterministic
         )
