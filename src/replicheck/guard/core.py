@@ -54,6 +54,7 @@ from replicheck.guard.support import (
     step_gate,
     unwrap_compiled,
 )
+from replicheck.guard.unwind import BucketCount, finish_reductions
 from replicheck.guard.verdict import Finding, calibration_noise, tolerance
 from replicheck.guard.wire import ProbePayload, ProbeResult, StepRow
 from replicheck.incident import NodeIdentity
@@ -153,6 +154,7 @@ class Guard:
             self._module, loss_fn, self._params, self._fingerprinter, cfg.use_deterministic
         )
         self._health = GradHealth(self._comm.group, digest_reduced=cfg.check_reduced and self.world_size > 1)
+        self._buckets = BucketCount()
         self._hooked = self._install_comm_hook()
         if cfg.mode == "exact" and not cfg.use_deterministic:
             log.warning("exact mode without deterministic kernels: a replay may differ by kernel noise")
@@ -206,7 +208,7 @@ class Guard:
         if self._ddp_model is None:
             return False
         try:
-            self._ddp_model.register_comm_hook(None, self._health.comm_hook)
+            self._ddp_model.register_comm_hook(None, self._buckets.wrap(self._health.comm_hook))
         except RuntimeError as exc:
             # Falling back would lose which rank produced a bad local gradient: refuse instead.
             raise GuardConfigError(
@@ -358,7 +360,7 @@ class Guard:
                         items = sum(c or 0.0 for _, _, c in parts) + count
                         scale = w = 1.0 / items if items > 0 else 1.0
                         self._scale_grads(scale)
-                _backward(loss * w)
+                self._run_backward(loss * w, synced=last)
             parts.append((w, loss.detach(), count))
             passes.append(BackwardPass(batch=mb, weight=w, seed=None))
         if self._loss_sum:
@@ -373,6 +375,18 @@ class Guard:
         if self._health.errors and self._failure is None:
             self._failure = self._health.errors[0]
         return _Backward(loss=step_loss, passes=passes)
+
+    def _run_backward(self, loss: torch.Tensor, synced: bool) -> None:
+        """A training pass's backward. Its error (a tensor hook) is this rank's failure, reported
+        at the step's next collective; on the synchronising pass the all-reduces DDP never
+        launched are completed with zeros first, so no rank waits in them."""
+        self._buckets.launched = 0
+        try:
+            _backward(loss)
+        except Exception as exc:  # noqa: BLE001 - re-raised on this rank by _stop_on_failure
+            self._failure = exc
+            if synced and self._ddp_model is not None and self._hooked:
+                finish_reductions(self._ddp_model, self._buckets.launched)
 
     def _note_loss_kind(self, count: float | None) -> None:
         kind = count is not None
