@@ -170,21 +170,24 @@ def _sketch_rows(t: torch.Tensor | None, index: int, seed: int, k: int, block: i
     width = block if m else tail
     signs = _signs(max(width, 1), k, seed, flat.device, compute)
     parts: list[torch.Tensor] = []
-    lengths: list[int] = []
     if m:
         body = flat[: m * block].view(m, block)
         if body.dtype != compute:
             body = body.to(compute)
         norms = torch.linalg.vector_norm(body, dim=1, dtype=compute)
         parts.append(torch.cat([norms.unsqueeze(1), body @ signs], dim=1))
-        lengths += [block] * m
     if tail or not n:
         rest = flat[m * block :].to(compute)
         norm = torch.linalg.vector_norm(rest, dtype=compute).reshape(1, 1)
         parts.append(torch.cat([norm, (rest @ signs[: rest.numel()]).reshape(1, k)], dim=1))
-        lengths.append(tail)
     body_rows = torch.cat(parts).double()
-    meta = torch.tensor([[index, v] for v in lengths], dtype=torch.float64, device=body_rows.device)
+    # Built on the device (no host data): the tensor's index, then the values in each block.
+    meta = torch.full(
+        (body_rows.shape[0], _SKETCH_META), float(index), dtype=torch.float64, device=body_rows.device
+    )
+    meta[:, 1] = block
+    if tail or not n:
+        meta[-1, 1] = tail
     return torch.cat([meta, body_rows], dim=1)
 
 
