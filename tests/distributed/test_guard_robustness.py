@@ -141,7 +141,10 @@ def _error_job(ctx: RankContext, where: str, at: int = 1) -> tuple[str, float]:
         return _loss(module, batch)
 
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
-    guard = Guard(model, opt, loss, config=GuardConfig(verify_every=2), node=ctx.node)
+    # A known loss reduction makes the probe part of the real batch (its own backward pass).
+    guard = Guard(
+        model, opt, loss, config=GuardConfig(verify_every=2, loss_reduction="sample_mean"), node=ctx.node
+    )
     if where == "hook" and ctx.rank == 0:
 
         def hook(index: int, t: torch.Tensor) -> None:
@@ -152,7 +155,7 @@ def _error_job(ctx: RankContext, where: str, at: int = 1) -> tuple[str, float]:
     if where == "tensor_hook" and ctx.rank == 1:
 
         def grad_hook(g: torch.Tensor) -> None:
-            if current_step() == at and current_pass() == "train":
+            if current_step() == at and current_pass() in ("train", "probe"):
                 raise ValueError("tensor hook failed on rank 1")
 
         model.module.head.weight.register_hook(grad_hook)
@@ -172,9 +175,9 @@ def _error_job(ctx: RankContext, where: str, at: int = 1) -> tuple[str, float]:
 )
 def test_error_on_one_rank_stops_every_rank_in_the_same_step(where: str, failing: int, at: int) -> None:
     """An exception in loss_fn (during a verification step), in a reduced-gradient hook, or in a
-    tensor hook during the gradient-synchronising backward on one rank is re-raised there and
-    raises PeerFailed on the others in the same step, long before the process group's 120 s
-    timeout."""
+    tensor hook during the gradient-synchronising backward (step 1) or the split probe's backward
+    (step 2, a verification step) on one rank is re-raised there and raises PeerFailed on the
+    others in the same step, long before the process group's 120 s timeout."""
     results = run_local(_error_job, node_names(3, 1), args=(where, at), timeout=60)
     for rank, (outcome, seconds) in enumerate(results):
         expected = ("KeyError" if where == "loss_fn" else "ValueError") if rank == failing else "PeerFailed"

@@ -377,7 +377,7 @@ class Guard:
         return _Backward(loss=step_loss, passes=passes)
 
     def _run_backward(self, loss: torch.Tensor, synced: bool) -> None:
-        """A training pass's backward. Its error (a tensor hook) is this rank's failure, reported
+        """A training or split-probe backward. Its error (a tensor hook) is this rank's failure, reported
         at the step's next collective; on the synchronising pass the all-reduces DDP never
         launched are completed with zeros first, so no rank waits in them."""
         self._buckets.launched = 0
@@ -506,7 +506,7 @@ class Guard:
                 loss, count = self._forward(s, lambda: self._loss_fn(self._model, probe_batch), "probe")
                 self._note_loss_kind(count)
                 weight = 1.0 if count is not None else weight
-                _backward(loss * weight)
+                self._run_backward(loss * weight, synced=False)
             result = ProbeResult(
                 float(loss.detach()), self._fingerprinter([q.grad for q in self._params], seed)
             )
