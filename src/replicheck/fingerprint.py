@@ -8,9 +8,9 @@ collective.
   sums and the column sums are weighted by position (so a swap of two values shows), and mixed
   with the element count. Two tensors with equal bits always have equal digests; a change of any
   single bit always changes it.
-* :func:`sketch` — the L2 norm and ``k`` projections on ±1 sign vectors built as the outer
-  product of a seeded row-sign and column-sign matrix (nothing of the tensor's size is stored).
-  Compared with :func:`sketch_distance`, which scales every difference by the tensor's norm.
+* :func:`sketch` — per block of consecutive values, the L2 norm and ``k`` projections on ±1
+  sign vectors hashed on the device from a seed (nothing of the tensor's size is stored).
+  Compared with :func:`sketch_distance`, which scales every difference by its block's norm.
 """
 
 from __future__ import annotations
@@ -115,68 +115,155 @@ def tensor_digest(t: torch.Tensor | None, *, fold_zero: bool = False) -> int:
     return int(digest(t, fold_zero=fold_zero).item())
 
 
-_SKETCH_COLS = 256
+SKETCH_BLOCK = 4096
+"""Default values per block of a tolerant sketch (see :func:`sketch`)."""
+_SKETCH_META = 2  # leading columns of a sketch row: tensor index, values in the block
+_M1 = -7046029254386353131  # 0x9E3779B97F4A7C15: golden-ratio multiplier (splitmix64)
+_M2 = -4658895280553007687  # 0xBF58476D1CE4E5B9
+_M3 = -7723592293110705685  # 0x94D049BB133111EB
+_sign_base: dict[tuple[int, int, torch.device], torch.Tensor] = {}
 
 
-def _signs(gen: torch.Generator, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
-    return torch.randint(0, 2, shape, generator=gen, dtype=torch.int8).to(dtype).mul_(2).sub_(1)
+def _mix(h: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser on int64 (wrapping arithmetic; ``>>`` is arithmetic on int64, so the
+    high bits are masked to make each shift logical)."""
+    h = h ^ ((h >> 30) & 0x3_FFFF_FFFF)
+    h = h * _M2
+    h = h ^ ((h >> 27) & 0x1F_FFFF_FFFF)
+    h = h * _M3
+    return h ^ ((h >> 31) & 0x1_FFFF_FFFF)
 
 
-def sketch(t: torch.Tensor | None, *, seed: int, k: int = 4) -> torch.Tensor:
-    """Norm and ``k`` ±1 projections of ``t`` as a float64 tensor of ``k + 1`` values (on CPU).
+def _signs(block: int, k: int, seed: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """``block × k`` ±1 signs, a hash of (position, projection, seed) computed on ``device``.
 
-    The sign vector of projection ``j`` is ``row_sign[:, j] ⊗ col_sign[:, j]`` over the tensor
-    viewed as rows of 256 values, both drawn from ``seed``: the tensor is read once (one
-    matrix-vector product per block) and nothing of its size is stored.
+    The position part is cached per shape and device; each call mixes in its seed with a few
+    elementwise operations on ``block × k`` values (nothing of the tensor's size, nothing from
+    the host but the seed).
     """
+    key = (block, k, device)
+    base = _sign_base.get(key)
+    if base is None:
+        if len(_sign_base) > 64:
+            _sign_base.clear()
+        idx = torch.arange(1, block * k + 1, dtype=torch.int64, device=device).view(block, k)
+        base = _mix(idx * _M1)
+        _sign_base[key] = base
+    h = _mix(base ^ _wrap(seed * _M1 + _M3))
+    return ((h >> 62) & 2).to(dtype) - 1
+
+
+def _sketch_rows(t: torch.Tensor | None, index: int, seed: int, k: int, block: int) -> torch.Tensor:
+    """Rows ``[index, values, norm, projection × k]`` of each block of ``t`` (float64, on its device)."""
     if t is None:
-        return torch.zeros(k + 1, dtype=torch.float64)
+        row = torch.zeros(1, _SKETCH_META + 1 + k, dtype=torch.float64)
+        row[0, 0] = index
+        return row
     flat = t.detach().reshape(-1)
     if flat.is_complex():
         flat = torch.view_as_real(flat).reshape(-1)
     if not flat.is_floating_point():
         flat = flat.to(torch.float32)
     compute = torch.float32 if flat.dtype in (torch.float16, torch.bfloat16) else flat.dtype
-    gen = torch.Generator().manual_seed(seed & 0x7FFF_FFFF_FFFF_FFFF)
     n = flat.numel()
-    m = n // _SKETCH_COLS
-    out = torch.zeros(k + 1, dtype=torch.float64)
-    out[0] = torch.linalg.vector_norm(flat, dtype=compute).double().cpu()
-    proj = torch.zeros(k, dtype=torch.float64)
-    col = _signs(gen, (_SKETCH_COLS, k), compute).to(flat.device)
+    m, tail = divmod(n, block)
+    width = block if m else tail
+    signs = _signs(max(width, 1), k, seed, flat.device, compute)
+    parts: list[torch.Tensor] = []
     if m:
-        row = _signs(gen, (m, k), compute).to(flat.device)
-        block = flat[: m * _SKETCH_COLS].view(m, _SKETCH_COLS)
-        if block.dtype != compute:
-            block = block.to(compute)
-        proj += ((block @ col) * row).sum(dim=0).double().cpu()
-    if n > m * _SKETCH_COLS:
-        tail = flat[m * _SKETCH_COLS :].to(compute)
-        proj += (tail @ col[: tail.numel()]).double().cpu()
-    out[1:] = proj
-    return out
+        body = flat[: m * block].view(m, block)
+        if body.dtype != compute:
+            body = body.to(compute)
+        norms = torch.linalg.vector_norm(body, dim=1, dtype=compute)
+        parts.append(torch.cat([norms.unsqueeze(1), body @ signs], dim=1))
+    if tail or not n:
+        rest = flat[m * block :].to(compute)
+        norm = torch.linalg.vector_norm(rest, dtype=compute).reshape(1, 1)
+        parts.append(torch.cat([norm, (rest @ signs[: rest.numel()]).reshape(1, k)], dim=1))
+    body_rows = torch.cat(parts).double()
+    # Built on the device (no host data): the tensor's index, then the values in each block.
+    meta = torch.full(
+        (body_rows.shape[0], _SKETCH_META), float(index), dtype=torch.float64, device=body_rows.device
+    )
+    meta[:, 1] = block
+    if tail or not n:
+        meta[-1, 1] = tail
+    return torch.cat([meta, body_rows], dim=1)
 
 
-def sketches(tensors: Sequence[torch.Tensor | None], *, seed: int, k: int = 4) -> torch.Tensor:
-    """Per-tensor sketches as a float64 tensor of shape ``(len(tensors), k + 1)``."""
+def sketch(t: torch.Tensor | None, *, seed: int, k: int = 4, block: int = SKETCH_BLOCK) -> torch.Tensor:
+    """Per-block sketch of ``t``: a float64 ``(blocks, k + 3)`` tensor on CPU.
+
+    ``t`` is cut into blocks of ``block`` consecutive values (the last one may be shorter); each
+    block's row is ``[0, values in the block, L2 norm, k projections]``, a projection being the
+    block's dot product with a ±1 sign vector hashed from ``seed`` on the tensor's device. The
+    tensor is read once for the norms and once for the projections (one matrix product); a
+    ``None`` gradient has one all-zero row. A sparse change stays large against its own block's
+    norm instead of being diluted by the whole tensor's.
+    """
+    return _sketch_rows(t, 0, seed, k, _check_block(block)).cpu()
+
+
+def sketches(
+    tensors: Sequence[torch.Tensor | None], *, seed: int, k: int = 4, block: int = SKETCH_BLOCK
+) -> torch.Tensor:
+    """The blocks of every tensor, one :func:`sketch` after another (column 0 is the tensor's
+    index in ``tensors``), as one float64 CPU tensor: one host transfer for the whole list."""
     if not tensors:
-        return torch.zeros(0, k + 1, dtype=torch.float64)
-    return torch.stack([sketch(t, seed=seed * 1_000_003 + i, k=k) for i, t in enumerate(tensors)])
+        return torch.zeros(0, _SKETCH_META + 1 + k, dtype=torch.float64)
+    block = _check_block(block)
+    rows = [_sketch_rows(t, i, seed * 1_000_003 + i, k, block) for i, t in enumerate(tensors)]
+    device = next((r.device for r in rows if r.device.type != "cpu"), torch.device("cpu"))
+    return torch.cat([r.to(device) for r in rows]).cpu()
+
+
+def _check_block(block: int) -> int:
+    if not isinstance(block, int) or block < 1:
+        raise ValueError(f"block must be a positive int, got {block!r}")
+    return block
+
+
+def _tensor_count(s: torch.Tensor) -> int:
+    """Tensors a sketch covers, or -1 when it is not a well-formed sketch."""
+    if s.dim() != 2 or s.shape[1] <= _SKETCH_META + 1 or s.dtype != torch.float64:
+        return -1
+    if not s.shape[0]:
+        return 0
+    index = s[:, 0]
+    if not bool(torch.isfinite(index).all()) or bool((index < 0).any()) or index.max() >= s.shape[0]:
+        return -1
+    return int(index.max()) + 1
 
 
 def sketch_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Per-tensor distance of two sketch matrices, each difference scaled by the tensor's norm.
+    """Per-tensor distance of two :func:`sketches` of the same tensors: the largest over the
+    tensor's blocks of the block's largest norm or projection difference, scaled by the block's
+    norm — floored at the block's fair share of the tensor's norm, ``‖t‖·√(values/numel)``, so a
+    block whose values nearly cancel does not turn rounding noise into an alarm.
 
-    A single projection can cancel to near zero, so its difference is divided by the norm (the
-    scale of its noise), never by the projection itself. Returns a float64 tensor of one value
-    per tensor; NaN or Inf in either sketch gives ``inf``.
+    Returns one float64 value per tensor; NaN or Inf in a tensor's blocks gives ``inf``, and so
+    does every tensor when the two sketches do not have the same layout (a peer's malformed
+    fingerprint is a disagreement, not a crash).
     """
-    scale = torch.maximum(a[:, 0].abs(), b[:, 0].abs()).clamp_min(1e-30)
-    diff = (a - b).abs().amax(dim=1) / scale
-    bad = ~(torch.isfinite(a).all(dim=1) & torch.isfinite(b).all(dim=1))
-    both_zero = (a.abs().amax(dim=1) == 0) & (b.abs().amax(dim=1) == 0)
+    count = max(_tensor_count(a), _tensor_count(b))
+    if count < 0 or a.shape != b.shape or not torch.equal(a[:, :_SKETCH_META], b[:, :_SKETCH_META]):
+        return torch.full((max(count, 1),), float("inf"), dtype=torch.float64)
+    index = a[:, 0].long()
+    values = a[:, 1]
+    va, vb = a[:, _SKETCH_META:], b[:, _SKETCH_META:]
+    na, nb = va[:, 0].abs(), vb[:, 0].abs()
+    sq = torch.zeros(count, dtype=torch.float64)
+    sq = sq.index_add(0, index, torch.maximum(na, nb).nan_to_num(0.0, 0.0, 0.0).square())
+    numel = torch.zeros(count, dtype=torch.float64).index_add(0, index, values)
+    share = (sq / numel.clamp_min(1)).sqrt()[index] * values.sqrt()
+    scale = torch.maximum(torch.maximum(na, nb), share).clamp_min(1e-30)
+    diff = (va - vb).abs().amax(dim=1) / scale
+    both_zero = (va.abs().amax(dim=1) == 0) & (vb.abs().amax(dim=1) == 0)
     diff = torch.where(both_zero, torch.zeros_like(diff), diff)
-    return torch.where(bad, torch.full_like(diff, float("inf")), diff)
+    bad = ~(torch.isfinite(va).all(dim=1) & torch.isfinite(vb).all(dim=1))
+    diff = torch.where(bad, torch.full_like(diff, float("inf")), diff)
+    out = torch.zeros(count, dtype=torch.float64)
+    return out.scatter_reduce(0, index, diff, reduce="amax", include_self=True)
 
 
 # -- digests of training state: one definition for the guard, the checkpoint store, the harness --

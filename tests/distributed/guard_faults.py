@@ -135,3 +135,29 @@ def nan_on_single_sample(
         return out
 
     _bare(model).blocks[0].ffn.register_forward_hook(hook)
+
+
+def skewed_clock(ctx: RankContext, model: Any, opt: Any, guard: Guard, *, rank: int) -> None:
+    """``rank``'s wall clock reads 2001-01-01: ranks that stamp an incident with their own clock
+    then disagree, whatever the load."""
+    if ctx.rank != rank:
+        return
+    import datetime as dt
+    import types
+
+    from replicheck import timefmt
+
+    fixed = dt.datetime(2001, 1, 1, tzinfo=dt.UTC)
+
+    class _Clock(dt.datetime):
+        @classmethod
+        def now(cls, tz: dt.tzinfo | None = None) -> dt.datetime:  # type: ignore[override]
+            return fixed
+
+    timefmt._dt = types.SimpleNamespace(datetime=_Clock, UTC=dt.UTC)  # type: ignore[assignment]
+
+
+def chain(ctx: RankContext, model: Any, opt: Any, guard: Guard, *, setups: Any) -> None:
+    """Run several setups in order."""
+    for setup in setups:
+        setup(ctx, model, opt, guard)

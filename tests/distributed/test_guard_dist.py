@@ -101,6 +101,22 @@ def test_tolerant_mode_does_not_alarm_on_kernel_noise() -> None:
 
 
 @pytest.mark.timeout(200)
+def test_every_rank_holds_one_incident_time_whatever_its_clock() -> None:
+    """Ranks whose clocks differ (or that reach the verdict in different seconds) hold one
+    identical incident: its time is agreed, not read from each rank's clock."""
+    setups = [
+        functools.partial(gf.forward_fault, rank=1, onset=3),
+        functools.partial(gf.skewed_clock, rank=2),
+    ]
+    guard = GuardConfig(verify_every=5, weights_every=5)
+    results = run(
+        spec(steps=8, guard=guard, setup=functools.partial(gf.chain, setups=setups)), node_names(3, 1)
+    )
+    inc = incident(results)
+    assert inc["step"] == 5 and not inc["time"].startswith("2001")
+
+
+@pytest.mark.timeout(200)
 def test_optimizer_update_fault_named_at_next_check() -> None:
     """A corrupted optimizer update on one rank is named at the next weights/verification step."""
     fault = functools.partial(gf.optimizer_fault, rank=1, at=7)

@@ -15,7 +15,14 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from replicheck.guard import CorruptionDetected, Guard, GuardConfig, GuardConfigError, current_step
+from replicheck.guard import (
+    CorruptionDetected,
+    Guard,
+    GuardConfig,
+    GuardConfigError,
+    current_pass,
+    current_step,
+)
 from replicheck.guard.errors import PeerFailed
 from replicheck.harness.launch import RankContext, node_names, run_local
 
@@ -123,9 +130,10 @@ def test_unsupported_setups_are_refused_with_what_to_do() -> None:
 # -- an error on one rank ends every rank -------------------------------------------------------
 
 
-def _error_job(ctx: RankContext, where: str) -> tuple[str, float]:
+def _error_job(ctx: RankContext, where: str, at: int = 1) -> tuple[str, float]:
     torch.manual_seed(0)
-    model = DistributedDataParallel(Tiny())
+    # Tiny buckets (one per parameter): the failing backward has launched some, not all.
+    model = DistributedDataParallel(Tiny(), bucket_cap_mb=1e-6)
 
     def loss(module: nn.Module, batch: Any) -> torch.Tensor:
         if where == "loss_fn" and ctx.rank == 1 and current_step() == 2:
@@ -133,7 +141,10 @@ def _error_job(ctx: RankContext, where: str) -> tuple[str, float]:
         return _loss(module, batch)
 
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
-    guard = Guard(model, opt, loss, config=GuardConfig(verify_every=2), node=ctx.node)
+    # A known loss reduction makes the probe part of the real batch (its own backward pass).
+    guard = Guard(
+        model, opt, loss, config=GuardConfig(verify_every=2, loss_reduction="sample_mean"), node=ctx.node
+    )
     if where == "hook" and ctx.rank == 0:
 
         def hook(index: int, t: torch.Tensor) -> None:
@@ -141,6 +152,13 @@ def _error_job(ctx: RankContext, where: str) -> tuple[str, float]:
                 raise ValueError("logging hook failed on rank 0")
 
         guard.add_reduced_gradient_hook(hook)
+    if where == "tensor_hook" and ctx.rank == 1:
+
+        def grad_hook(g: torch.Tensor) -> None:
+            if current_step() == at and current_pass() in ("train", "probe"):
+                raise ValueError("tensor hook failed on rank 1")
+
+        model.module.head.weight.register_hook(grad_hook)
     t0 = time.monotonic()
     try:
         for s in range(4):
@@ -151,12 +169,16 @@ def _error_job(ctx: RankContext, where: str) -> tuple[str, float]:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(("where", "failing", "at"), [("loss_fn", 1, 2), ("hook", 0, 1)])
+@pytest.mark.parametrize(
+    ("where", "failing", "at"),
+    [("loss_fn", 1, 2), ("hook", 0, 1), ("tensor_hook", 1, 1), ("tensor_hook", 1, 2)],
+)
 def test_error_on_one_rank_stops_every_rank_in_the_same_step(where: str, failing: int, at: int) -> None:
-    """An exception in loss_fn (during a verification step) or in a reduced-gradient hook on one
-    rank is re-raised there and raises PeerFailed on the others in the same step, long before the
-    process group's 120 s timeout."""
-    results = run_local(_error_job, node_names(3, 1), args=(where,), timeout=60)
+    """An exception in loss_fn (during a verification step), in a reduced-gradient hook, or in a
+    tensor hook during the gradient-synchronising backward (step 1) or the split probe's backward
+    (step 2, a verification step) on one rank is re-raised there and raises PeerFailed on the
+    others in the same step, long before the process group's 120 s timeout."""
+    results = run_local(_error_job, node_names(3, 1), args=(where, at), timeout=60)
     for rank, (outcome, seconds) in enumerate(results):
         expected = ("KeyError" if where == "loss_fn" else "ValueError") if rank == failing else "PeerFailed"
         assert outcome == f"{expected}@{at}", (rank, outcome)

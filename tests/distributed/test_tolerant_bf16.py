@@ -8,7 +8,7 @@ import functools
 import pytest
 
 from replicheck.campaign.runner import install_for_campaign
-from replicheck.campaign.scenarios import BF16_CEILING, BF16_FLOOR, campaign_model
+from replicheck.campaign.scenarios import BF16_BLOCK, BF16_CEILING, BF16_FLOOR, campaign_model
 from replicheck.campaign.soak import SoakConfig, bf16_soak, run_soak
 from replicheck.faults.injector import Fault
 from replicheck.faults.noise import KernelNoise
@@ -32,6 +32,7 @@ def _run(steps: int, verify_every: int, fault: Fault | None) -> list[JobResult]:
             mode="tolerant",
             tolerance_floor=BF16_FLOOR,
             tolerance_ceiling=BF16_CEILING,
+            sketch_block=BF16_BLOCK,
         ),
         setup=functools.partial(install_for_campaign, fault=fault, noise=NOISE),
     )
@@ -50,6 +51,18 @@ def test_bf16_backward_only_fault_caught_at_first_verification() -> None:
     """A weight-gradient-only fault (32 values zeroed) from step 6 is named at step 10."""
     fault = dataclasses.replace(
         Fault.at_weight_gradient(WGRAD).persistent(from_step=6).zero_chunk(), rank=1, seed=1
+    )
+    inc = _run(12, 5, fault)[0].incident
+    assert inc is not None
+    assert (inc["step"], inc["check"], inc["suspect_ranks"]) == (10, "replay", [1])
+
+
+@pytest.mark.timeout(300)
+def test_bf16_sparse_backward_only_fault_caught_by_the_per_block_sketch() -> None:
+    """x2 on 8 values of one weight gradient from step 6 is named at step 10 (per-block sketch;
+    the whole-tensor sketch dilutes it below the bf16 floor in a third of probes)."""
+    fault = dataclasses.replace(
+        Fault.at_weight_gradient(WGRAD).persistent(from_step=6).scale(2.0, count=8), rank=1, seed=1
     )
     inc = _run(12, 5, fault)[0].incident
     assert inc is not None

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 
 from replicheck.campaign.report import markdown
-from replicheck.campaign.runner import run_campaign
+from replicheck.campaign.runner import controller_actions, run_campaign
 from replicheck.campaign.scenarios import (
     JobDefaults,
     default_scenarios,
@@ -42,6 +43,31 @@ def test_fast_subset_detects_at_the_first_check_with_the_right_suspect() -> None
     assert (red.detected_at, red.check, red.applied_corrupted) == (23, "reduced_gradients", None)
     assert by["transient-unverified"].detected_at is None and by["transient-unverified"].corruptions == 1
     assert by["clean"].verification_pairs == 4 * 4 and sum(o.false_alarms for o in outcomes) == 0
+
+
+@pytest.mark.timeout(240)
+def test_data_borne_and_refused_rows_hold_what_they_claim() -> None:
+    """The data-borne row is caught on its step as ``data`` with no node named and no controller
+    action; the refused rows are refused on every rank with the expected message, and a refusal
+    that does not say what the row expects is not counted as expected."""
+    rows = select(default_scenarios(), "data-borne-inf,syncbn-refused,static-graph-refused")
+    wrong = dataclasses.replace(rows[-1], name="static-graph-wrong-text", refusal="no such advice")
+    outcomes = {o.name: o for o in run_campaign([*rows, wrong], _tiny())}
+    assert all(o.error is None for o in outcomes.values()), [o.error for o in outcomes.values()]
+    data = outcomes["data-borne-inf"]
+    assert data.as_expected and (data.detected_at, data.check, data.classification) == (
+        23,
+        "gradients",
+        "data",
+    )
+    assert data.suspect_ranks == [] and data.false_alarms == 0
+    assert data.incident is not None and controller_actions(data.incident) == []
+    for name, text in (("syncbn-refused", "SyncBatchNorm"), ("static-graph-refused", "static_graph")):
+        o = outcomes[name]
+        assert o.as_expected and o.check == "refused at construction" and text in (o.refusal or "")
+    assert not outcomes["static-graph-wrong-text"].as_expected
+    table = markdown([o.to_dict() for o in outcomes.values()], {}, plots=False)
+    assert "| refused at construction |" in table and "none named" in table
 
 
 @pytest.mark.timeout(120)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -48,11 +49,17 @@ def timeline(row: Mapping[str, Any], path: Path) -> Path:
     if row.get("detected_at") is not None:
         d = row["detected_at"]
         ax.axvline(d, color="black", lw=1.6, label=f"detected ({d}, {row.get('check')})")
+    if row.get("refusal") is not None:
+        # Nothing trained: the row is the guard's refusal at construction.
+        text = textwrap.fill(f"refused at construction: {row['refusal']}", 110)
+        ax.text(0.5, 0.5, text, ha="center", va="center", fontsize=7, transform=ax.transAxes)
+        ax.set_axis_off()
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.set_xlim(-0.5, max(steps, 1) - 0.5 + (1 if row.get("detected_at") is not None else 0))
     ax.set_title(f"{row['name']}: {row['title']}", fontsize=9)
-    ax.legend(fontsize=7, loc="upper right")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7, loc="upper right")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)

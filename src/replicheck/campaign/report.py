@@ -56,11 +56,23 @@ def _applied(row: Mapping[str, Any]) -> str:
 
 
 def _suspect(row: Mapping[str, Any]) -> str:
+    if row.get("expect") == "data" and row.get("detected_at") is not None:
+        return (
+            "none named"
+            if not row.get("suspect_ranks")
+            else "NO: " + ", ".join(map(str, row["suspect_ranks"]))
+        )
     if row.get("suspect_correct") is None:
         return "–"
     names = ", ".join(f"rank {r}" for r in row.get("suspect_ranks", [])) or "none"
     nodes = ", ".join(row.get("suspect_nodes", []))
     return f"{'yes' if row['suspect_correct'] else 'NO'}: {names} ({nodes})"
+
+
+def _detected(row: Mapping[str, Any]) -> str:
+    if row.get("refusal") is not None:
+        return "refused at construction" if row.get("check") else "accepted"
+    return "not detected" if row.get("detected_at") is None else str(row["detected_at"])
 
 
 def row_cells(row: Mapping[str, Any]) -> list[str]:
@@ -75,7 +87,7 @@ def row_cells(row: Mapping[str, Any]) -> list[str]:
         f"{row['nodes']} × {row['gpus_per_node']}",
         row["mode"] + (f", verify every {row['verify_every']}" if row["verify_every"] != 10 else ""),
         "–" if row.get("onset") is None else str(row["onset"]),
-        "not detected" if row.get("detected_at") is None else str(row["detected_at"]),
+        _detected(row),
         _applied(row),
         row.get("check") or "–",
         _suspect(row),
@@ -115,6 +127,8 @@ def markdown(rows: Sequence[Mapping[str, Any]], meta: Mapping[str, Any], plots: 
         if row.get("reference"):
             line += f" Reference: {row['reference']}."
         line += f" {row.get('corruptions', 0)} corruption(s) recorded, {row.get('verifications', 0)} verification(s) passed."
+        if row.get("refusal") is not None:
+            line += f" Message on every rank: “{_cell(row['refusal'])}”"
         if row.get("error"):
             line += f" Error: `{_cell(row['error'][-300:])}`"
         if plots:

@@ -15,12 +15,15 @@ from typing import Any
 
 import torch
 
+from replicheck.campaign import setups
 from replicheck.campaign.scenarios import JobDefaults, Scenario
+from replicheck.faults.errors import FaultConfigError
 from replicheck.faults.injector import Corruption, Fault
 from replicheck.faults.noise import KernelNoise
 from replicheck.guard import GuardConfig
 from replicheck.harness.jobs import JobResult, JobSpec, train
 from replicheck.harness.launch import RankContext, node_names, run_local
+from replicheck.harness.workloads import synthetic_batch
 
 _MAX_RECORDS = 50
 
@@ -33,10 +36,14 @@ def install_for_campaign(
     *,
     fault: Fault | None,
     noise: KernelNoise | None,
+    poison: tuple[int, torch.Tensor] | None = None,
 ) -> list[Corruption]:
-    """The job's setup hook: simulated kernel noise on every rank, the fault on its rank."""
+    """The job's setup hook: simulated kernel noise and a poisoned sample ``(step, tokens)`` on
+    every rank, the fault on its rank."""
     if noise is not None:
         noise.install(model, rank=ctx.rank)
+    if poison is not None:
+        setups.install_poison(model, *poison)
     if fault is None:
         return []
     return fault.install(model, optimizer=optimizer, guard=guard, rank=ctx.rank).records
@@ -76,6 +83,7 @@ def resolve(scenario: Scenario, defaults: JobDefaults) -> Job:
         for k, v in (
             ("tolerance_floor", scenario.tolerance_floor),
             ("tolerance_ceiling", scenario.tolerance_ceiling),
+            ("sketch_block", scenario.sketch_block),
         )
         if v is not None
     }
@@ -87,7 +95,16 @@ def resolve(scenario: Scenario, defaults: JobDefaults) -> Job:
         job_id=f"campaign-{scenario.name}",
         **tolerance,  # type: ignore[arg-type]
     )
-    setup = functools.partial(install_for_campaign, fault=fault, noise=scenario.noise)
+    poison = None
+    if scenario.poison is not None:
+        p = scenario.poison
+        batch = synthetic_batch(
+            defaults.model, step=p.step, rank=p.rank, batch=defaults.batch, seed=defaults.seed
+        )
+        if not -defaults.batch <= p.sample < defaults.batch:
+            raise FaultConfigError(f"poisoned sample {p.sample} is outside a batch of {defaults.batch}")
+        poison = (p.step, batch["tokens"][p.sample].clone())
+    setup = functools.partial(install_for_campaign, fault=fault, noise=scenario.noise, poison=poison)
     spec = JobSpec(
         steps=defaults.steps,
         batch=defaults.batch,
@@ -146,6 +163,7 @@ class ScenarioOutcome:
     note: str = ""
     reference: str = ""
     error: str | None = None
+    refusal: str | None = None
     verified_steps: list[int] = field(default_factory=list)
     losses: dict[str, list[float | None]] = field(default_factory=dict)
     records: list[dict[str, Any]] = field(default_factory=list)
@@ -183,12 +201,18 @@ def evaluate(job: Job, results: Sequence[JobResult], seconds: float) -> Scenario
     onset = fault.onset if fault is not None else None
     last_applied = (detected - 1) if detected is not None else _steps_run(results) - 1
     applied = [first, last_applied] if first is not None and first <= last_applied else None
-    false_alarm = int(detected is not None and (first is None or detected < first))
+    poison = sc.poison
+    data_step = poison.step if poison is not None else None
+    false_alarm = int(detected is not None and detected != data_step and (first is None or detected < first))
     suspects = list(incident["suspect_ranks"]) if incident else []
     nodes = list(incident["suspect_nodes"]) if incident else []
-    rank = fault.rank if fault is not None else None
+    rank = fault.rank if fault is not None else (poison.rank if poison is not None else None)
     fault_node = results[rank].node if rank is not None else None
-    correct = (suspects == [rank]) if incident is not None and rank is not None and not false_alarm else None
+    correct = (
+        (suspects == [rank])
+        if incident is not None and fault is not None and rank is not None and not false_alarm
+        else None
+    )
     verified = sorted(results[0].verified_steps)
     steps_done = last_applied + 1
     weight_checks = len([s for s in range(steps_done) if job.weights_every and s % job.weights_every == 0])
@@ -211,12 +235,22 @@ def evaluate(job: Job, results: Sequence[JobResult], seconds: float) -> Scenario
         )
     elif sc.expect == "undetected":
         ok = detected is None and bool(records)
+    elif sc.expect == "data":
+        ok = (
+            incident is not None
+            and detected == data_step
+            and incident["classification"] == "data"
+            and not suspects
+            and not nodes
+            and not incident["candidates"]
+            and not controller_actions(incident)
+        )
     else:
         ok = detected is None
     losses = {str(r.rank): [r.losses.get(s) for s in range(_steps_run(results))] for r in results}
     return ScenarioOutcome(
         **_identity(sc, job),
-        onset=onset,
+        onset=onset if poison is None else data_step,
         first_corruption=first,
         corruptions=len(records),
         detected_at=detected,
@@ -274,42 +308,75 @@ def _describe(fault: Fault | None) -> dict[str, Any] | None:
     }
 
 
+def controller_actions(incident: dict[str, Any]) -> list[str]:
+    """What the controller would do first about ``incident`` (auto-approval on): its actions."""
+    from replicheck.controller.machine import initial_record, transition
+    from replicheck.controller.model import Tick
+    from replicheck.incident import Incident
+
+    record = initial_record(Incident.from_dict(incident))
+    step = transition(record, Tick(now=incident["time"], auto_approve=True))
+    return [type(a).__name__ for a in step.actions]
+
+
+def evaluate_refused(job: Job, messages: Sequence[str], seconds: float) -> ScenarioOutcome:
+    """A ``refused`` row: every rank refused at construction with the same message naming the setup."""
+    sc = job.scenario
+    ok = all(m == messages[0] for m in messages) and messages[0] != "accepted" and sc.refusal in messages[0]
+    return _blank(
+        sc,
+        job,
+        seconds,
+        as_expected=ok,
+        check="refused at construction" if messages[0] != "accepted" else None,
+        refusal=messages[0],
+    )
+
+
+def _blank(sc: Scenario, job: Job, seconds: float, **kw: Any) -> ScenarioOutcome:
+    """A row with nothing trained: a refused setup, or a scenario that broke."""
+    fields: dict[str, Any] = {
+        "onset": job.fault.onset if job.fault else None,
+        "first_corruption": None,
+        "corruptions": 0,
+        "detected_at": None,
+        "check": None,
+        "checks_failed": [],
+        "suspect_ranks": [],
+        "suspect_nodes": [],
+        "fault_rank": job.fault.rank if job.fault else None,
+        "fault_node": None,
+        "suspect_correct": None,
+        "classification": None,
+        "applied_corrupted": None,
+        "false_alarms": 0,
+        "verifications": 0,
+        "verification_pairs": 0,
+        "weight_checks": 0,
+        "expected_by": None,
+        "as_expected": False,
+        "seconds": round(seconds, 2),
+        "note": sc.note,
+        "reference": sc.reference,
+    }
+    fields.update(kw)
+    return ScenarioOutcome(**_identity(sc, job), **fields)
+
+
 def run_scenario(scenario: Scenario, defaults: JobDefaults) -> ScenarioOutcome:
     """Run one scenario as a local multi-process job and evaluate it."""
     job = resolve(scenario, defaults)
     started = time.monotonic()
+    nodes = node_names(job.nodes, job.gpus_per_node)
     try:
-        results = run_local(
-            train, node_names(job.nodes, job.gpus_per_node), args=(job.spec,), timeout=defaults.timeout
-        )
+        if scenario.refuse is not None:
+            messages = run_local(
+                setups.construct, nodes, args=(job.spec, scenario.refuse), timeout=defaults.timeout
+            )
+            return evaluate_refused(job, messages, time.monotonic() - started)
+        results = run_local(train, nodes, args=(job.spec,), timeout=defaults.timeout)
     except Exception as exc:  # noqa: BLE001 - a broken scenario is a row with its error, not a crash
-        out = ScenarioOutcome(
-            **_identity(scenario, job),
-            onset=job.fault.onset if job.fault else None,
-            first_corruption=None,
-            corruptions=0,
-            detected_at=None,
-            check=None,
-            checks_failed=[],
-            suspect_ranks=[],
-            suspect_nodes=[],
-            fault_rank=job.fault.rank if job.fault else None,
-            fault_node=None,
-            suspect_correct=None,
-            classification=None,
-            applied_corrupted=None,
-            false_alarms=0,
-            verifications=0,
-            verification_pairs=0,
-            weight_checks=0,
-            expected_by=None,
-            as_expected=False,
-            seconds=round(time.monotonic() - started, 2),
-            note=scenario.note,
-            reference=scenario.reference,
-            error=str(exc)[-2000:],
-        )
-        return out
+        return _blank(scenario, job, time.monotonic() - started, error=str(exc)[-2000:])
     return evaluate(job, results, time.monotonic() - started)
 
 

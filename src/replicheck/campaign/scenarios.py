@@ -17,7 +17,29 @@ from replicheck.faults.noise import KernelNoise
 from replicheck.harness.jobs import JobLoss
 from replicheck.harness.workloads import DecoderConfig
 
-Expect = Literal["detect", "undetected", "clean"]
+Expect = Literal["detect", "undetected", "clean", "data", "refused"]
+"""What a row expects: ``detect`` the fault at the first check at or after onset (right suspect);
+``undetected`` (a documented limit); ``clean`` (no alarm); ``data``: an alarm at the poisoned step
+classified ``data``, naming no node, on which the controller takes no action; ``refused``: the
+guard refuses the setup at construction on every rank, with a message that says what to do."""
+Refused = Literal["static_graph", "sync_batchnorm"]
+"""Setups a ``refused`` row builds: DDP with ``static_graph=True``, or a model with SyncBatchNorm
+(a collective inside forward)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataPoison:
+    """A sample whose forward gives inf on any rank that computes it (a fault carried by the data).
+
+    Every rank installs the same hook, so a re-run of the sample elsewhere reproduces it."""
+
+    step: int
+    """The step whose batch holds the sample."""
+    rank: int
+    """The rank whose batch holds it."""
+    sample: int = -1
+    """Its index in that batch (the last by default: not 0, the probe, so the per-step check
+    meets it first)."""
 
 
 def campaign_model() -> DecoderConfig:
@@ -90,14 +112,26 @@ class Scenario:
     """Override of the guard's tolerant-mode floor (bf16 needs one above its rounding noise)."""
     tolerance_ceiling: float | None = None
     """Override of the guard's tolerant-mode ceiling."""
+    sketch_block: int | None = None
+    """Override of the guard's tolerant-mode sketch block (values per block)."""
+    poison: DataPoison | None = None
+    """A sample carrying a non-finite forward (``expect="data"``)."""
+    refuse: Refused | None = None
+    """Build this refused setup instead of training (``expect="refused"``)."""
+    refusal: str = ""
+    """Text the refusal message must contain (``expect="refused"``)."""
     note: str = ""
     """What the row shows, or why it is expected to be missed."""
     reference: str = ""
     """The published reference figure this row answers, if any."""
 
 
-BF16_FLOOR = 0.05
-"""Tolerant floor for bf16 autocast jobs: above the rounding noise measured in the bf16 soak."""
+BF16_BLOCK = 256
+"""Sketch block for bf16 autocast jobs: a sparse gradient fault is compared against 256 values'
+norm, not the whole tensor's (docs/results/soak-bf16.md)."""
+BF16_FLOOR = 0.08
+"""Tolerant floor for bf16 autocast jobs with :data:`BF16_BLOCK`: about 2.6 times the largest
+per-block rounding noise measured in 2,000 replay pairs (docs/results/soak-bf16.md)."""
 BF16_CEILING = 0.2
 """Tolerant ceiling for bf16 autocast jobs."""
 
@@ -216,6 +250,7 @@ def default_scenarios() -> list[Scenario]:
             noise=noise,
             tolerance_floor=BF16_FLOOR,
             tolerance_ceiling=BF16_CEILING,
+            sketch_block=BF16_BLOCK,
             note=f"floor {BF16_FLOOR:g} above the measured bf16 rounding noise (docs/results/soak-bf16.md)",
         ),
         Scenario(
@@ -227,10 +262,23 @@ def default_scenarios() -> list[Scenario]:
             noise=noise,
             tolerance_floor=BF16_FLOOR,
             tolerance_ceiling=BF16_CEILING,
+            sketch_block=BF16_BLOCK,
+        ),
+        Scenario(
+            name="bf16-wgrad-x2",
+            title="Backward-only fault x2 on 8 gradient values, bf16 tolerant, per-block sketch",
+            fault=Fault.at_weight_gradient(_WGRAD).persistent(from_step=23).scale(2.0, count=8),
+            mode="tolerant",
+            loss="lm_bf16",
+            noise=noise,
+            tolerance_floor=BF16_FLOOR,
+            tolerance_ceiling=BF16_CEILING,
+            sketch_block=BF16_BLOCK,
+            note="smallest of the measured factors caught at the first verification (docs/results/soak-bf16.md)",
         ),
         Scenario(
             name="bf16-wgrad-1pct",
-            title="Backward-only fault x1.01 on 8 gradient values, bf16 tolerant",
+            title="Backward-only fault x1.01 on 8 gradient values, bf16 tolerant, per-block sketch",
             fault=Fault.at_weight_gradient(_WGRAD).persistent(from_step=23).scale(1.01, count=8),
             expect="undetected",
             mode="tolerant",
@@ -238,7 +286,12 @@ def default_scenarios() -> list[Scenario]:
             noise=noise,
             tolerance_floor=BF16_FLOOR,
             tolerance_ceiling=BF16_CEILING,
-            note="documented limit: below bf16 rounding noise of the gradient sketch (docs/results/soak-bf16.md)",
+            sketch_block=BF16_BLOCK,
+            note=(
+                "documented limit: a 1% change of a value is within the 1-2 bf16 ulps that kernel "
+                "noise moves gradient values by, so it is below the noise of any per-block "
+                "comparison (docs/results/soak-bf16.md)"
+            ),
         ),
         Scenario(
             name="token-mean-padded",
@@ -258,6 +311,35 @@ def default_scenarios() -> list[Scenario]:
             title="Clean run, blocks under reentrant activation checkpointing",
             expect="clean",
             checkpointing="reentrant",
+        ),
+        Scenario(
+            name="data-borne-inf",
+            title="A sample whose forward gives inf on any rank (rank 1's batch, step 23)",
+            expect="data",
+            poison=DataPoison(step=23, rank=1),
+            note=(
+                "the sample is re-run on a rank of another node, gives inf there too: classified "
+                "data, no node named, and the controller takes no action on it"
+            ),
+        ),
+        Scenario(
+            name="syncbn-refused",
+            title="Model with SyncBatchNorm (a collective inside forward)",
+            expect="refused",
+            refuse="sync_batchnorm",
+            refusal="SyncBatchNorm",
+            note=(
+                "refused at construction on every rank, with what to use instead (DDP refuses "
+                "SyncBatchNorm on CPU modules itself, so this CPU row adds the layer after wrapping)"
+            ),
+        ),
+        Scenario(
+            name="static-graph-refused",
+            title="DDP(static_graph=True)",
+            expect="refused",
+            refuse="static_graph",
+            refusal="static_graph",
+            note="refused at construction on every rank, with what to use instead",
         ),
         Scenario(name="clean", title="Clean run", expect="clean"),
         Scenario(

@@ -64,6 +64,8 @@ class SoakConfig:
     """Override of the guard's tolerant floor."""
     tolerance_ceiling: float | None = None
     """Override of the guard's tolerant ceiling."""
+    sketch_block: int | None = None
+    """Override of the guard's sketch block (values per block)."""
 
     @property
     def world(self) -> int:
@@ -98,7 +100,7 @@ class SoakResult:
 def bf16_soak(cfg: SoakConfig, *, tiny: bool = False) -> SoakConfig:
     """``cfg`` made the bf16 soak: tolerant mode, bf16 autocast, kernel noise on the final norm
     of every rank, the campaign model (``tiny``: the soak model) and the bf16 tolerance."""
-    from replicheck.campaign.scenarios import BF16_CEILING, BF16_FLOOR, campaign_model
+    from replicheck.campaign.scenarios import BF16_BLOCK, BF16_CEILING, BF16_FLOOR, campaign_model
 
     return replace(
         cfg,
@@ -109,6 +111,7 @@ def bf16_soak(cfg: SoakConfig, *, tiny: bool = False) -> SoakConfig:
         batch=4 if not tiny else cfg.batch,
         tolerance_floor=BF16_FLOOR,
         tolerance_ceiling=BF16_CEILING,
+        sketch_block=BF16_BLOCK,
     )
 
 
@@ -143,7 +146,11 @@ def run_soak(cfg: SoakConfig, progress: Callable[[int], None] | None = None) -> 
     every = max(1, min(200, cfg.steps // 100 or 1))
     tolerance = {
         k: v
-        for k, v in (("tolerance_floor", cfg.tolerance_floor), ("tolerance_ceiling", cfg.tolerance_ceiling))
+        for k, v in (
+            ("tolerance_floor", cfg.tolerance_floor),
+            ("tolerance_ceiling", cfg.tolerance_ceiling),
+            ("sketch_block", cfg.sketch_block),
+        )
         if v is not None
     }
     guard = GuardConfig(
@@ -236,7 +243,8 @@ def soak_markdown(result: SoakResult, command: str, cpus: int, torch_version: st
                 [
                     f"Loss `{r.config['loss']}` (forward under bf16 autocast), simulated kernel noise "
                     f"{r.config['noise']['rel']:g} relative on `{r.config['noise']['module']}` on every rank and pass, "
-                    f"tolerance floor {r.config['tolerance_floor']:g}, ceiling {r.config['tolerance_ceiling']:g}.",
+                    f"tolerance floor {r.config['tolerance_floor']:g}, ceiling {r.config['tolerance_ceiling']:g}, "
+                    f"sketch block {r.config.get('sketch_block') or 'default'}.",
                     "",
                 ]
                 if r.config.get("loss") == "lm_bf16" and r.config.get("noise")

@@ -60,7 +60,11 @@ class GuardConfig:
     check_reduced: bool = True
     """Every step, check that the all-reduced gradient is bit-identical on every rank."""
     sketch_k: int = 4
-    """Tolerant mode: random ±1 projections per tensor, besides its norm."""
+    """Tolerant mode: random ±1 projections per block, besides its norm."""
+    sketch_block: int = 4096
+    """Tolerant mode: values per block of a gradient's sketch (each block is compared against its
+    own norm, so a sparse fault is not diluted by the whole tensor). The fingerprint holds
+    ``sketch_k + 3`` float64 values per block."""
     tolerance_floor: float = 1e-5
     """Tolerant mode: lowest relative threshold (difference / tensor norm) that may alarm."""
     tolerance_ceiling: float = 1e-2
@@ -103,6 +107,8 @@ class GuardConfig:
             raise GuardConfigError(f"start_step must be >= 0, got {self.start_step}")
         if self.sketch_k < 1:
             raise GuardConfigError(f"sketch_k must be >= 1, got {self.sketch_k}")
+        if not isinstance(self.sketch_block, int) or self.sketch_block < 1:
+            raise GuardConfigError(f"sketch_block must be an int >= 1, got {self.sketch_block!r}")
         if not 0 < self.tolerance_floor <= self.tolerance_ceiling:
             raise GuardConfigError("need 0 < tolerance_floor <= tolerance_ceiling")
         if self.tolerance_margin < 1:

@@ -56,6 +56,7 @@ from replicheck.guard.support import (
     step_gate,
     unwrap_compiled,
 )
+from replicheck.guard.unwind import BucketCount, finish_reductions
 from replicheck.guard.verdict import Finding, calibration_noise, tolerance
 from replicheck.guard.wire import ProbePayload, ProbeResult, StepRow
 from replicheck.incident import NodeIdentity
@@ -151,11 +152,12 @@ class Guard:
         self._nodes: tuple[NodeIdentity, ...] = tuple(self._comm.gather_objects(identity))
         self._ring = Ring.build([n.name for n in self._nodes])
 
-        self._fingerprinter = Fingerprinter(cfg.mode, cfg.sketch_k)
+        self._fingerprinter = Fingerprinter(cfg.mode, cfg.sketch_k, cfg.sketch_block)
         self._recompute = Recompute(
             self._module, loss_fn, self._params, self._fingerprinter, cfg.use_deterministic
         )
         self._health = GradHealth(self._comm.group, digest_reduced=cfg.check_reduced and self.world_size > 1)
+        self._buckets = BucketCount()
         self._hooked = self._install_comm_hook()
         if cfg.mode == "exact" and not cfg.use_deterministic:
             log.warning("exact mode without deterministic kernels: a replay may differ by kernel noise")
@@ -209,7 +211,7 @@ class Guard:
         if self._ddp_model is None:
             return False
         try:
-            self._ddp_model.register_comm_hook(None, self._health.comm_hook)
+            self._ddp_model.register_comm_hook(None, self._buckets.wrap(self._health.comm_hook))
         except RuntimeError as exc:
             # Falling back would lose which rank produced a bad local gradient: refuse instead.
             raise GuardConfigError(
@@ -361,7 +363,7 @@ class Guard:
                         items = sum(c or 0.0 for _, _, c in parts) + count
                         scale = w = 1.0 / items if items > 0 else 1.0
                         self._scale_grads(scale)
-                _backward(loss * w)
+                self._run_backward(loss * w, synced=last)
             parts.append((w, loss.detach(), count))
             passes.append(BackwardPass(batch=mb, weight=w, seed=None))
         if self._loss_sum:
@@ -376,6 +378,18 @@ class Guard:
         if self._health.errors and self._failure is None:
             self._failure = self._health.errors[0]
         return _Backward(loss=step_loss, passes=passes)
+
+    def _run_backward(self, loss: torch.Tensor, synced: bool) -> None:
+        """A training or split-probe backward. Its error (a tensor hook) is this rank's failure, reported
+        at the step's next collective; on the synchronising pass the all-reduces DDP never
+        launched are completed with zeros first, so no rank waits in them."""
+        self._buckets.launched = 0
+        try:
+            _backward(loss)
+        except Exception as exc:  # noqa: BLE001 - re-raised on this rank by _stop_on_failure
+            self._failure = determinism_error(exc) or exc
+            if synced and self._ddp_model is not None and self._hooked:
+                finish_reductions(self._ddp_model, self._buckets.launched)
 
     def _note_loss_kind(self, count: float | None) -> None:
         kind = count is not None
@@ -495,10 +509,7 @@ class Guard:
                 loss, count = self._forward(s, lambda: self._loss_fn(self._model, probe_batch), "probe")
                 self._note_loss_kind(count)
                 weight = 1.0 if count is not None else weight
-                try:
-                    _backward(loss * weight)
-                except Exception as exc:  # noqa: BLE001 - stops every rank at the next pass's flag
-                    self._failure = determinism_error(exc) or exc
+                self._run_backward(loss * weight, synced=False)
             result = ProbeResult(
                 float(loss.detach()), self._fingerprinter([q.grad for q in self._params], seed)
             )
@@ -617,7 +628,9 @@ class Guard:
 
     def _raise(self, s: int, findings: list[Finding]) -> NoReturn:
         self._optimizer.zero_grad(set_to_none=True)
-        incident = self._reporter.build(s, findings, self.last_verified_step)
+        incident = self._reporter.build(
+            s, findings, self.last_verified_step, time=self._reporter.raised_at(self._comm)
+        )
         try:
             self._reporter.write(incident)
         except OSError as exc:

@@ -64,12 +64,14 @@ class Fingerprinter:
     mode: Mode
     """Fingerprint kind: exact digests or tolerant sketches."""
     sketch_k: int
-    """Tolerant mode: projections per tensor."""
+    """Tolerant mode: projections per block."""
+    sketch_block: int = fp.SKETCH_BLOCK
+    """Tolerant mode: values per block."""
 
     def __call__(self, grads: Sequence[torch.Tensor | None], seed: int) -> torch.Tensor:
         if self.mode == "exact":
             return fp.digests(grads, fold_zero=True)
-        return fp.sketches(grads, seed=seed, k=self.sketch_k)
+        return fp.sketches(grads, seed=seed, k=self.sketch_k, block=self.sketch_block)
 
 
 @dataclass(frozen=True)

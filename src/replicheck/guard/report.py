@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from replicheck.guard.comm import Comm
 from replicheck.guard.config import Mode
 from replicheck.guard.verdict import Finding, primary
 from replicheck.incident import (
@@ -20,6 +21,7 @@ from replicheck.incident import (
     make_incident_id,
     write_incident,
 )
+from replicheck.timefmt import utc_iso
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +53,11 @@ class IncidentBuilder:
     def world_size(self) -> int:
         return len(self.nodes)
 
-    def build(self, step: int, findings: Sequence[Finding], last_verified_step: int | None) -> Incident:
+    def build(
+        self, step: int, findings: Sequence[Finding], last_verified_step: int | None, *, time: str
+    ) -> Incident:
+        """The incident of ``step``; ``time`` must be one value agreed by every rank (clocks and the
+        moment each rank gets here differ, and every rank must hold the same record)."""
         main = primary(findings)
         suspects = tuple(Suspect(rank=r, node=self.nodes[r]) for r in main.suspects)
         candidates = tuple(Suspect(rank=r, node=self.nodes[r]) for r in main.candidates)
@@ -82,7 +88,12 @@ class IncidentBuilder:
             last_verified_step=last_verified_step,
             world_size=self.world_size,
             checks_failed=tuple(f.check for f in findings),
+            time=time,
         )
+
+    def raised_at(self, comm: Comm) -> str:
+        """Collective: the incident's time, rank 0's clock as every rank's."""
+        return comm.gather_objects(utc_iso())[0]
 
     def writer_rank(self, incident: Incident) -> int:
         """The lowest rank that is not a suspect: a faulty rank may write garbage."""

@@ -45,7 +45,8 @@ class ProbeResult:
     loss: float
     """The probe's loss (unweighted mean over the probe)."""
     fingerprint: torch.Tensor
-    """int64 digests (exact mode) or float64 sketches (tolerant mode), one row per parameter."""
+    """int64 digests, one per parameter (exact mode), or float64 sketches, rows of blocks of
+    parameters (tolerant mode)."""
 
 
 @dataclass(frozen=True)
