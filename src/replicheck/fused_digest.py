@@ -177,6 +177,8 @@ def _on_device(
 ) -> torch.Tensor:
     """Digests of tensors that all live on ``device`` (``None`` allowed); ``fold_zero``: the
     small ones are already folded, the large ones are folded here."""
+    if not tensors:
+        return torch.zeros(0, dtype=torch.int64, device=device)
     out: list[torch.Tensor] = []
     items: list[tuple[_Part, list[torch.Tensor]]] = []
     size = 0

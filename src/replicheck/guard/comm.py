@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from replicheck.guard.batch import pack, unpack
+from replicheck.guard.transfer import to_host
 
 T = TypeVar("T")
 
@@ -34,13 +35,25 @@ class Comm:
         return dist.get_global_rank(self.group, group_rank)
 
     def gather_rows(self, row: torch.Tensor) -> torch.Tensor:
-        """All-gather one 1-D int64 row per rank into a ``(world, len)`` CPU tensor."""
+        """All-gather one 1-D int64 row per rank into a ``(world, len)`` CPU tensor.
+
+        One counted device→host transfer: after the all-gather where the group moves device
+        tensors (NCCL), before it where it moves host tensors (gloo).
+        """
         if self.world_size == 1:
-            return row.reshape(1, -1).clone()
+            return to_host(row.reshape(1, -1), "step row").clone()
+        if self.device.type == "cpu":
+            return self._gather_host(to_host(row, "step row"))
         local = row.to(self.device)
         out = [torch.empty_like(local) for _ in range(self.world_size)]
         dist.all_gather(out, local, group=self.group)
-        return torch.stack(out).cpu()
+        return to_host(torch.stack(out), "step row")
+
+    def _gather_host(self, local: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+        """All-gather of a CPU row over a group that moves host tensors (no transfer)."""
+        out = [torch.empty_like(local) for _ in range(self.world_size)]
+        dist.all_gather(out, local, group=group if group is not None else self.group)
+        return torch.stack(out)
 
     def host_flags(self, flag: bool) -> list[bool]:
         """Every rank's ``flag``, gathered without touching the accelerator.
@@ -51,17 +64,17 @@ class Comm:
         """
         if self.world_size == 1:
             return [flag]
+        local = torch.tensor([int(flag)], dtype=torch.int64)
         whole_world = self.group is None or self.group == dist.group.WORLD
-        if self.device.type == "cpu" or not whole_world:
+        if self.device.type == "cpu":
+            return [bool(f) for f in self._gather_host(local)[:, 0].tolist()]
+        if not whole_world:
             # new_group needs every process of the job; over a subgroup the device path is used.
-            return [bool(f) for f in self.gather_rows(torch.tensor([int(flag)]))[:, 0].tolist()]
+            return [bool(f) for f in self.gather_rows(local)[:, 0].tolist()]
         if self._host_group is None:
             ranks = [self.global_rank(r) for r in range(self.world_size)]
             self._host_group = dist.new_group(ranks, backend="gloo")
-        local = torch.tensor([int(flag)], dtype=torch.int64)
-        out = [torch.empty_like(local) for _ in range(self.world_size)]
-        dist.all_gather(out, local, group=self._host_group)
-        return [bool(int(t.item())) for t in out]
+        return [bool(f) for f in self._gather_host(local, self._host_group)[:, 0].tolist()]
 
     def gather_objects(self, obj: T) -> list[T]:
         """Every rank's ``obj`` (pickled), indexed by rank."""
