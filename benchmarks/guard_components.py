@@ -1,10 +1,12 @@
 """Per-component CPU cost of the guard's ordinary step (issue 11: per-step overhead).
 
 Two gloo ranks train the decoder of ``benchmarks/overhead.py`` (d_model 256, 4 layers, 8 x 256
-tokens per rank) in three loops whose steps alternate (order rotated every round): plain DDP,
-guarded with every ordinary-step check, and guarded with the per-forward failure flag replaced
-by a constant (measurement only: without the flag an error in one rank's forward would leave the
-others in the gradient all-reduce). No verification or weight check runs, so the differences are
+tokens per rank) in four loops whose steps alternate (order rotated every round): plain DDP;
+guarded with every ordinary-step check (``guard``: the failure flag posted after the forward and
+collected before the first all-reduce); ``syncflag``: the same, but each flag waited for right
+after its forward (the protocol before this change); ``noflag``: the flag replaced by a constant
+(measurement only: without the flag an error in one rank's forward would leave the others in the
+gradient all-reduce). No verification or weight check runs, so the differences are
 the ordinary step's own cost. Then, on the same ranks, the one-value flag all-gather and the
 step-row all-gather alone, and in one process the comm-hook work on the model's gradients.
 
@@ -16,6 +18,7 @@ Prints medians of wall time (perf_counter) and CPU time (process_time). Not a te
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -51,11 +54,23 @@ def _bench(ctx: RankContext, rounds: int, batch: int) -> dict[str, Any]:
     import torch.distributed as dist
 
     cfg = GuardConfig(verify_every=1_000_000, weights_every=0, loss_reduction="sample_mean")
-    models = {k: DistributedDataParallel(make_model(MODEL, seed=0)) for k in ("plain", "guard", "noflag")}
+    kinds = ("guard", "syncflag", "noflag")
+    models = {k: DistributedDataParallel(make_model(MODEL, seed=0)) for k in ("plain", *kinds)}
     opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in models.items()}
-    guards = {k: Guard(models[k], opts[k], lm_loss, cfg, node=ctx.node) for k in ("guard", "noflag")}
+    guards = {k: Guard(models[k], opts[k], lm_loss, cfg, node=ctx.node) for k in kinds}
     world = guards["noflag"].world_size
-    guards["noflag"].comm.host_flags = lambda flag: [flag] * world  # type: ignore[method-assign]
+
+    def constant(flag: bool) -> Callable[[], list[bool]]:
+        return lambda: [flag] * world
+
+    post = guards["syncflag"].comm.post_host_flag
+
+    def waited(flag: bool) -> Callable[[], list[bool]]:
+        flags = post(flag)()  # waited for at once, as after every forward before
+        return lambda: flags
+
+    guards["noflag"].comm.post_host_flag = constant  # type: ignore[method-assign]
+    guards["syncflag"].comm.post_host_flag = waited  # type: ignore[method-assign]
     b = synthetic_batch(MODEL, step=0, rank=ctx.rank, batch=batch)
 
     def plain() -> None:
@@ -63,18 +78,16 @@ def _bench(ctx: RankContext, rounds: int, batch: int) -> dict[str, Any]:
         lm_loss(models["plain"], b).backward()
         opts["plain"].step()
 
-    steps: dict[str, Callable[[], object]] = {
-        "plain": plain,
-        "guard": lambda: guards["guard"].step(b),
-        "noflag": lambda: guards["noflag"].step(b),
-    }
+    steps: dict[str, Callable[[], object]] = {"plain": plain}
+    for k in kinds:
+        steps[k] = functools.partial(guards[k].step, b)
     order = list(steps)
     for k in order * 2:  # warm-up: bucket rebuild, allocator, layouts
         steps[k]()
     wall: dict[str, list[float]] = {k: [] for k in order}
     cpu: dict[str, list[float]] = {k: [] for k in order}
     for r in range(rounds):
-        for k in order[r % 3 :] + order[: r % 3]:
+        for k in order[r % len(order) :] + order[: r % len(order)]:
             w, c = _timed(steps[k], dist.barrier)
             wall[k].append(w)
             cpu[k].append(c)
@@ -93,10 +106,8 @@ def _bench(ctx: RankContext, rounds: int, batch: int) -> dict[str, Any]:
         "rank": ctx.rank,
         "step_wall_ms": {k: _ms(v) for k, v in wall.items()},
         "step_cpu_ms": {k: _ms(v) for k, v in cpu.items()},
-        "extra_wall_ms": {
-            k: _ms([g - p for g, p in zip(wall[k], wall["plain"])]) for k in ("guard", "noflag")
-        },
-        "extra_cpu_ms": {k: _ms([g - p for g, p in zip(cpu[k], cpu["plain"])]) for k in ("guard", "noflag")},
+        "extra_wall_ms": {k: _ms([g - p for g, p in zip(wall[k], wall["plain"])]) for k in kinds},
+        "extra_cpu_ms": {k: _ms([g - p for g, p in zip(cpu[k], cpu["plain"])]) for k in kinds},
         "micro_wall_ms": {k: _ms(v[0]) for k, v in micro.items()},
         "micro_cpu_ms": {k: _ms(v[1]) for k, v in micro.items()},
     }
@@ -108,12 +119,11 @@ def _local_components(repeats: int = 30) -> dict[str, float]:
     model = make_model(MODEL, seed=0)
     lm_loss(model, synthetic_batch(MODEL, step=0, rank=0, batch=2)).backward()
     flat = torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
+    loss, norm, reduced = torch.tensor(1.0, dtype=torch.float64), _sq_norm(flat), fp.digest(flat)
     parts = {
         "sq_norm (local health)": lambda: _sq_norm(flat),
         "digest (reduced gradient)": lambda: fp.digest(flat),
-        "row encode": lambda: StepRow(
-            loss=torch.tensor(1.0, dtype=torch.float64), local_norm=_sq_norm(flat), reduced=torch.tensor(3)
-        ).encode(),
+        "row encode": lambda: StepRow(loss=loss, local_norm=norm, reduced=reduced).encode(),
         "weights + optimizer digests (every weights_every)": lambda: fp.model_digest_tensor(
             model, "replicated"
         ),

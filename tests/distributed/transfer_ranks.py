@@ -42,3 +42,48 @@ def count_per_step(ctx: RankContext, layers: int, steps: int, period: int) -> li
     guard.check_replicas()
     out.append({"total": COUNTER.total, **COUNTER.by_reason})
     return out
+
+
+def fail_once(ctx: RankContext, where: str, at: int) -> tuple[str, float, bool]:
+    """Rank 1 fails at step ``at`` (``where``: before / inside / after the DDP forward, or in the
+    first of two micro-batches); what each rank raised, how long it took, and whether its weights
+    stayed as they were before that step."""
+    import time
+
+    from replicheck import fingerprint as fp
+    from replicheck.guard import PeerFailed
+
+    model = DistributedDataParallel(_mlp(2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    armed = {"on": False}
+
+    def loss(module: torch.nn.Module, batch: Any) -> torch.Tensor:
+        fail = armed["on"] and ctx.rank == 1
+        if fail and where in ("before", "first_of_two"):
+            armed["on"] = False  # only the first pass of the step fails
+            raise KeyError("bad sample")
+        out = _loss(module, batch)
+        if fail and where == "after":
+            raise KeyError("bad sample")
+        return out
+
+    def hook(module: torch.nn.Module, args: Any) -> None:
+        if armed["on"] and ctx.rank == 1 and where == "inside":
+            raise KeyError("bad sample")
+
+    model.module[0].register_forward_pre_hook(hook)
+    guard = Guard(model, opt, loss, GuardConfig(verify_every=1000, weights_every=0), node=ctx.node)
+    g = torch.Generator().manual_seed(ctx.rank)
+    before = 0
+    t0 = time.monotonic()
+    for s in range(at + 1):
+        mbs = [(torch.randn(4, 16, generator=g), torch.randn(4, generator=g)) for _ in range(2)]
+        armed["on"] = s == at
+        if s == at:
+            before = fp.model_digest(model.module, "all")
+        try:
+            guard.step(*(mbs if where == "first_of_two" else mbs[:1]))
+        except (KeyError, PeerFailed) as exc:
+            kept = fp.model_digest(model.module, "all") == before
+            return f"{type(exc).__name__}@{s}", time.monotonic() - t0, kept
+    return "finished", time.monotonic() - t0, True

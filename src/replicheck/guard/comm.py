@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 import torch
@@ -56,25 +56,42 @@ class Comm:
         return torch.stack(out)
 
     def host_flags(self, flag: bool) -> list[bool]:
-        """Every rank's ``flag``, gathered without touching the accelerator.
+        """Every rank's ``flag`` (waits for every rank: :meth:`post_host_flag`, then its result)."""
+        return self.post_host_flag(flag)()
 
-        On NCCL a one-value all-gather of a device tensor waits for the device's queued work, so
-        the flags travel over a CPU (gloo) group created on first use (every rank calls this at
-        the same points, so the group is created symmetrically).
+    def post_host_flag(self, flag: bool) -> Callable[[], list[bool]]:
+        """Start gathering every rank's ``flag`` without touching the accelerator; returns the
+        wait for the result.
+
+        Gloo groups gather the host value in place, asynchronously. On NCCL a one-value
+        all-gather of a device tensor would wait for the device's queued work, so the flags
+        travel over a CPU (gloo) group created on first use (every rank posts at the same points,
+        so the group is created symmetrically); over an NCCL subgroup (``new_group`` needs every
+        process of the job) the device path is used, synchronously.
         """
         if self.world_size == 1:
-            return [flag]
+            return lambda: [flag]
         local = torch.tensor([int(flag)], dtype=torch.int64)
         whole_world = self.group is None or self.group == dist.group.WORLD
         if self.device.type == "cpu":
-            return [bool(f) for f in self._gather_host(local)[:, 0].tolist()]
-        if not whole_world:
-            # new_group needs every process of the job; over a subgroup the device path is used.
-            return [bool(f) for f in self.gather_rows(local)[:, 0].tolist()]
-        if self._host_group is None:
-            ranks = [self.global_rank(r) for r in range(self.world_size)]
-            self._host_group = dist.new_group(ranks, backend="gloo")
-        return [bool(f) for f in self._gather_host(local, self._host_group)[:, 0].tolist()]
+            group = self.group
+        elif whole_world:
+            if self._host_group is None:
+                ranks = [self.global_rank(r) for r in range(self.world_size)]
+                self._host_group = dist.new_group(ranks, backend="gloo")
+            group = self._host_group
+        else:
+            flags = [bool(f) for f in self.gather_rows(local)[:, 0].tolist()]
+            return lambda: flags
+        out = [torch.empty_like(local) for _ in range(self.world_size)]
+        work = dist.all_gather(out, local, group=group, async_op=True)
+
+        def wait() -> list[bool]:
+            if work is not None:
+                work.wait()
+            return [bool(int(t[0])) for t in out]
+
+        return wait
 
     def gather_objects(self, obj: T) -> list[T]:
         """Every rank's ``obj`` (pickled), indexed by rank."""

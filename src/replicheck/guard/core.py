@@ -31,6 +31,7 @@ from replicheck.guard.errors import (
     LossContractError,
     PeerFailed,
 )
+from replicheck.guard.flags import FailureFlags
 from replicheck.guard.health import GradHealth, ReducedHook
 from replicheck.guard.loss import LossFn, LossSum, unpack
 from replicheck.guard.probe import (
@@ -154,6 +155,8 @@ class Guard:
             self._module, loss_fn, self._params, self._fingerprinter, cfg.use_deterministic
         )
         self._health = GradHealth(self._comm.group, digest_reduced=cfg.check_reduced and self.world_size > 1)
+        self._flags = FailureFlags(self._comm)
+        self._health.peer_failed = self._flags.any_failed
         self._hooked = self._install_comm_hook()
         if cfg.mode == "exact" and not cfg.use_deterministic:
             log.warning("exact mode without deterministic kernels: a replay may differ by kernel noise")
@@ -289,6 +292,7 @@ class Guard:
             self._rebuild_buckets(microbatches[0])
         self._optimizer.zero_grad(set_to_none=True)
         self._health.reset()
+        self._flags.reset()
         self._failure = None
 
         own = (
@@ -354,9 +358,10 @@ class Guard:
         for i, mb in enumerate(mbs):
             last = i == len(mbs) - 1
             with self._no_sync(last), running(s, "train"):
-                loss, count = self._forward(
-                    s, functools.partial(self._loss_fn, self._model, mb), "training pass"
-                )
+                got = self._forward(s, functools.partial(self._loss_fn, self._model, mb), "training pass")
+                if got is None:
+                    continue  # this rank failed: no backward (its peers learn it before theirs syncs)
+                loss, count = got
                 self._note_loss_kind(count)
                 w = weights[i]
                 if count is not None:
@@ -368,6 +373,8 @@ class Guard:
                 _backward(loss * w)
             parts.append((w, loss.detach(), count))
             passes.append(BackwardPass(batch=mb, weight=w, seed=None))
+        # Every rank has posted one flag per forward; a failure anywhere ends the step here.
+        self._stop_on_failure(s, self._flags.collect())
         if self._loss_sum:
             passes = [dataclasses.replace(p, weight=scale) for p in passes]
             step_loss = _total(part.double() for _, part, _ in parts) * scale
@@ -397,12 +404,16 @@ class Guard:
                     p.grad.mul_(scale)
 
     # -- errors on one rank stop every rank in the step's next collective ----------------------
-    def _forward(self, s: int, run: Callable[[], object], where: str) -> tuple[torch.Tensor, float | None]:
-        """One forward pass whose error on any rank stops every rank before the next backward.
+    def _forward(
+        self, s: int, run: Callable[[], object], where: str
+    ) -> tuple[torch.Tensor, float | None] | None:
+        """One forward pass; ``None`` when this rank has failed in the step (here or before).
 
-        The flag travels in a one-value all-gather after each forward: a rank that failed (here
-        or earlier in the step) re-raises its error, the others raise :class:`PeerFailed`, so
-        none waits in a gradient all-reduce until the process group's timeout.
+        The flag is posted after each forward without waiting (:mod:`replicheck.guard.flags`):
+        a failed rank runs no backward, the healthy ones learn it in the comm hook before their
+        first all-reduce and skip the step's all-reduces, and after the passes the failed rank
+        re-raises its error and the others raise :class:`PeerFailed`; none waits in a gradient
+        all-reduce until the process group's timeout.
         """
         loss: torch.Tensor | None = None
         count: float | None = None
@@ -415,9 +426,9 @@ class Guard:
                 self._failure = exc
         if self._failure is not None and self._ddp_entries == entered:
             self._ddp_collectives_of_forward()
-        self._stop_on_failure(s, self._comm.host_flags(self._failure is not None))
-        if loss is None:  # unreachable: a failure above has raised
-            raise GuardError("internal: forward produced no loss")
+        self._flags.post(self._failure is not None)
+        if self._failure is not None or loss is None:
+            return None
         return loss, count
 
     def _ddp_collectives_of_forward(self) -> None:
@@ -497,11 +508,19 @@ class Guard:
                 seeded(seed, self._params[0].device),
                 deterministic(cfg.use_deterministic),
             ):
-                loss, count = self._forward(s, lambda: self._loss_fn(self._model, probe_batch), "probe")
-                self._note_loss_kind(count)
-                weight = 1.0 if count is not None else weight
-                _backward(loss * weight)
-            result = host_result(loss, self._fingerprinter([q.grad for q in self._params], seed))
+                got = self._forward(s, lambda: self._loss_fn(self._model, probe_batch), "probe")
+                if got is not None:
+                    loss, count = got
+                    self._note_loss_kind(count)
+                    weight = 1.0 if count is not None else weight
+                    _backward(loss * weight)
+            if got is None:
+                # This rank failed: keep the step's shape (the same passes, so the same flags
+                # as its peers) until every rank stops after the passes.
+                result = ProbeResult(math.nan, torch.zeros(0))
+                loss, count = torch.zeros(()), None
+            else:
+                result = host_result(loss, self._fingerprinter([q.grad for q in self._params], seed))
             split_probe = _SplitProbe(
                 loss=loss.detach(), count=count, weight=weight, rest=rest if size > p else None
             )

@@ -31,6 +31,9 @@ class GradHealth:
         self.group = group
         self.digest_reduced = digest_reduced
         self.reduced_hooks: list[ReducedHook] = []
+        self.peer_failed: Callable[[], bool] | None = None
+        """Asked before each bucket's all-reduce: when a rank failed in this step's forward (it
+        never joins the all-reduce), the bucket is left local instead (the step is discarded)."""
         self.reset()
 
     def reset(self) -> None:
@@ -52,6 +55,10 @@ class GradHealth:
         buf = bucket.buffer()
         # Squared norm: one streaming read; NaN and Inf propagate into it.
         self._local_sq.append(_sq_norm(buf))
+        if self.peer_failed is not None and self.peer_failed():
+            skipped: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+            skipped.set_result(buf)
+            return skipped
         world = dist.get_world_size(self.group)
         buf.div_(world)
         work = dist.all_reduce(buf, group=self.group, async_op=True)
