@@ -191,3 +191,28 @@ def test_digests_create_no_host_tensor_for_a_cached_layout() -> None:
     finally:
         torch.tensor = real  # type: ignore[assignment]
     assert seen == [] and out.dim() == 0
+
+
+def test_digest_values_are_those_checkpoint_manifests_were_written_with() -> None:
+    """Known values (computed by the per-tensor implementation before the fused one, on exactly
+    rounded inputs) still come out, so manifests written before the fused digests still verify."""
+    ts: list[torch.Tensor | None] = [
+        torch.arange(40, dtype=torch.float32) / 7,
+        torch.arange(5000, dtype=torch.float64) * 0.37 - 11.5,
+        (torch.arange(3001) % 251).to(torch.uint8),
+        None,
+        (torch.arange(70000, dtype=torch.float32) / 9 - 3).to(torch.bfloat16),
+    ]
+    assert [fp.tensor_digest(t) for t in ts] == [
+        -2148113422080151725,
+        -7358407754161062191,
+        6112585133768948820,
+        6840123409045651457,
+        -6395374478416323784,
+    ]
+    assert fp.weights_digest(ts) == -4922199187997557277
+    state = {
+        0: {"exp_avg": torch.arange(10.0) / 3, "step": torch.tensor(4.0)},
+        1: {"exp_avg": torch.arange(2000.0) * 0.01 - 5, "step": torch.tensor(4.0)},
+    }
+    assert fp.optimizer_digest(state) == -7458013674103572681
