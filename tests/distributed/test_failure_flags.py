@@ -10,10 +10,10 @@ from replicheck.harness.launch import node_names, run_local
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("where", ["before", "inside", "after", "first_of_two"])
+@pytest.mark.parametrize("where", ["before", "inside", "after", "first_of_two", "split_probe", "split_rest"])
 def test_forward_error_on_one_rank_stops_every_rank_in_that_step(where: str) -> None:
-    """Rank 1's error (before, inside or after the DDP forward, or in the first of two
-    micro-batches) is raised there and PeerFailed on the other ranks at the same step, promptly,
+    """Rank 1's error (before, inside or after the DDP forward, in the first of two micro-batches,
+    or in a split probe or the pass after it) is raised there and PeerFailed on the other ranks at the same step, promptly,
     and no rank applies that step's update."""
     results = run_local(fail_once, node_names(3, 1), args=(where, 2), timeout=120)
     for rank, (outcome, seconds, kept) in enumerate(results):

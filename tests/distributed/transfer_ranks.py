@@ -45,9 +45,10 @@ def count_per_step(ctx: RankContext, layers: int, steps: int, period: int) -> li
 
 
 def fail_once(ctx: RankContext, where: str, at: int) -> tuple[str, float, bool]:
-    """Rank 1 fails at step ``at`` (``where``: before / inside / after the DDP forward, or in the
-    first of two micro-batches); what each rank raised, how long it took, and whether its weights
-    stayed as they were before that step."""
+    """Rank 1 fails at step ``at`` (``where``: before / inside / after the DDP forward, in the
+    first of two micro-batches, or at a verification step in ``split`` mode with two micro-batches:
+    in the probe that takes all of the first, or in the pass after it); what each rank raised, how
+    long it took, and whether its weights stayed as they were before that step."""
     import time
 
     from replicheck import fingerprint as fp
@@ -55,12 +56,16 @@ def fail_once(ctx: RankContext, where: str, at: int) -> tuple[str, float, bool]:
 
     model = DistributedDataParallel(_mlp(2))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    armed = {"on": False}
+    armed = {"on": False, "passes": 0}
+    two = where in ("first_of_two", "split_probe", "split_rest")
 
     def loss(module: torch.nn.Module, batch: Any) -> torch.Tensor:
         fail = armed["on"] and ctx.rank == 1
-        if fail and where in ("before", "first_of_two"):
-            armed["on"] = False  # only the first pass of the step fails
+        if fail:
+            armed["passes"] += 1
+        if fail and where in ("before", "first_of_two", "split_probe") and armed["passes"] == 1:
+            raise KeyError("bad sample")
+        if fail and where == "split_rest" and armed["passes"] == 2:
             raise KeyError("bad sample")
         out = _loss(module, batch)
         if fail and where == "after":
@@ -72,7 +77,15 @@ def fail_once(ctx: RankContext, where: str, at: int) -> tuple[str, float, bool]:
             raise KeyError("bad sample")
 
     model.module[0].register_forward_pre_hook(hook)
-    guard = Guard(model, opt, loss, GuardConfig(verify_every=1000, weights_every=0), node=ctx.node)
+    split = where.startswith("split")
+    cfg = GuardConfig(
+        verify_every=at if split else 1000,
+        weights_every=0,
+        probe="split" if split else "auto",
+        probe_size=4,
+        loss_reduction="sample_mean",
+    )
+    guard = Guard(model, opt, loss, cfg, node=ctx.node)
     g = torch.Generator().manual_seed(ctx.rank)
     before = 0
     t0 = time.monotonic()
@@ -82,7 +95,7 @@ def fail_once(ctx: RankContext, where: str, at: int) -> tuple[str, float, bool]:
         if s == at:
             before = fp.model_digest(model.module, "all")
         try:
-            guard.step(*(mbs if where == "first_of_two" else mbs[:1]))
+            guard.step(*(mbs if two else mbs[:1]))
         except (KeyError, PeerFailed) as exc:
             kept = fp.model_digest(model.module, "all") == before
             return f"{type(exc).__name__}@{s}", time.monotonic() - t0, kept
