@@ -20,94 +20,32 @@ from typing import Any, Literal
 
 import torch
 
-_ROW = 16
-# Odd 64-bit multipliers (golden-ratio and splitmix constants) spread positions over the word.
-_K_ROW = -7046029254386353131  # 0x9E3779B97F4A7C15 as signed int64
-_K_COL = 3394490528163516939  # 0xBF58476D1CE4E5B9 >> 1, doubled where used
-_K_TAIL = -7723592293110705685  # 0x94D049BB133111EB
-_NONE_DIGEST = 0x5EED_0000_0000_0001
-_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _wrap(v: int) -> int:
-    """``v`` reduced to a signed 64-bit value (the arithmetic the digests use)."""
-    v &= 0xFFFF_FFFF_FFFF_FFFF
-    return v - (1 << 64) if v >= 1 << 63 else v
-
-
-_weight_cache: dict[tuple[int, torch.device], torch.Tensor] = {}
-
-
-def _row_weights(m: int, device: torch.device) -> torch.Tensor:
-    key = (m, device)
-    w = _weight_cache.get(key)
-    if w is None:
-        if len(_weight_cache) > 256:
-            _weight_cache.clear()
-        w = (torch.arange(1, m + 1, dtype=torch.int64, device=device) * _K_ROW) | 1
-        _weight_cache[key] = w
-    return w
-
-
-def _words(t: torch.Tensor, fold_zero: bool) -> torch.Tensor:
-    """The tensor's bits as a flat integer tensor (int64 words where the layout allows)."""
-    flat = t.detach().reshape(-1)
-    if fold_zero and flat.is_floating_point():
-        # -0.0 + 0.0 == +0.0 and every other value is unchanged: equal numbers, equal digests.
-        flat = flat + 0.0
-    if flat.dtype == torch.bool:
-        flat = flat.to(torch.uint8)
-    if flat.is_complex():
-        # Real and imaginary parts as consecutive values (complex128 is 16 bytes: no int of that size).
-        flat = torch.view_as_real(flat).reshape(-1)
-    size = flat.element_size()
-    ints = flat.view(_INT_OF_SIZE[size]) if flat.dtype.is_floating_point or size != 8 else flat
-    per_word = 8 // ints.element_size()
-    if per_word > 1 and ints.numel() % per_word == 0 and ints.storage_offset() % per_word == 0:
-        return ints.view(torch.int64)
-    return ints
+from replicheck import fused_digest as fd
 
 
 def digest(t: torch.Tensor | None, *, fold_zero: bool = False) -> torch.Tensor:
-    """Exact, position-weighted 64-bit digest of ``t``'s bits as a 0-dim int64 tensor.
+    """Exact, position-weighted 64-bit digest of ``t``'s bits as a 0-dim int64 tensor on its device.
 
     ``None`` (an unused parameter's gradient) has its own constant digest. ``fold_zero`` maps
     -0.0 to +0.0 first (one temporary the size of ``t``), for values produced by different code
     paths that may differ only in the sign of zero.
     """
-    if t is None:
-        return torch.tensor(_NONE_DIGEST, dtype=torch.int64)
-    words = _words(t, fold_zero)
-    n = words.numel()
-    m = n // _ROW
-    wide = torch.int64
-    total = torch.tensor(_wrap(n * _K_TAIL), dtype=wide, device=words.device)
-    if m:
-        block = words[: m * _ROW].view(m, _ROW)
-        rows = block.sum(dim=1, dtype=wide)
-        cols = block.sum(dim=0, dtype=wide)
-        total = total + (rows * _row_weights(m, words.device)).sum()
-        # Even column weights: a change of bit 63 then shows in the row term alone and cannot
-        # cancel against the column term.
-        total = total + (cols * _row_weights(_ROW, words.device) * (2 * _K_COL)).sum()
-    if n > m * _ROW:
-        tail = words[m * _ROW :].to(wide)
-        total = total + (tail * _row_weights(tail.numel(), words.device) * _K_TAIL).sum()
-    return total
+    return digests([t], fold_zero=fold_zero)[0]
 
 
 def digests(tensors: Sequence[torch.Tensor | None], *, fold_zero: bool = False) -> torch.Tensor:
-    """Per-tensor digests stacked into a 1-D int64 tensor (on CPU)."""
-    if not tensors:
-        return torch.zeros(0, dtype=torch.int64)
-    return torch.stack([digest(t, fold_zero=fold_zero).cpu() for t in tensors])
+    """Per-tensor :func:`digest` values as a 1-D int64 tensor on the tensors' device.
+
+    Fused: small tensors are digested together and large ones reduced in two streaming reads
+    each, so a model of hundreds of tensors costs a few kernels per large tensor and no host
+    transfer (see :mod:`replicheck.fused_digest`).
+    """
+    return fd.digests(tensors, fold_zero=fold_zero)
 
 
 def combine(values: torch.Tensor) -> torch.Tensor:
     """Fold a 1-D int64 tensor of digests into one position-weighted 0-dim digest."""
-    if values.numel() == 0:
-        return torch.tensor(0, dtype=torch.int64)
-    return (values * _row_weights(values.numel(), values.device)).sum()
+    return fd.combine(values)
 
 
 def tensor_digest(t: torch.Tensor | None, *, fold_zero: bool = False) -> int:
@@ -149,7 +87,7 @@ def _signs(block: int, k: int, seed: int, device: torch.device, dtype: torch.dty
         idx = torch.arange(1, block * k + 1, dtype=torch.int64, device=device).view(block, k)
         base = _mix(idx * _M1)
         _sign_base[key] = base
-    h = _mix(base ^ _wrap(seed * _M1 + _M3))
+    h = _mix(base ^ fd.wrap(seed * _M1 + _M3))
     return ((h >> 62) & 2).to(dtype) - 1
 
 
@@ -308,13 +246,28 @@ def named_state(
 
 
 def weights_digest(tensors: Iterable[torch.Tensor | None]) -> int:
-    """One position-weighted digest of a sequence of tensors (weights, in a fixed order)."""
-    return int(combine(digests(list(tensors))))
+    """One position-weighted digest of a sequence of tensors (weights, in a fixed order).
+
+    Equals ``int(combine(digests(tensors)))``; one host synchronisation.
+    """
+    return int(weights_digest_tensor(tensors).item())
+
+
+def weights_digest_tensor(tensors: Iterable[torch.Tensor | None]) -> torch.Tensor:
+    """:func:`weights_digest` as a 0-dim int64 tensor on the tensors' device (no host transfer)."""
+    return fd.combined(list(tensors))
 
 
 def model_digest(module: torch.nn.Module, which: Weights, *, per_rank: Collection[str] = ()) -> int:
     """:func:`weights_digest` of the tensors :func:`named_state` selects."""
-    return weights_digest(t for _, t in named_state(module, which, per_rank=per_rank))
+    return int(model_digest_tensor(module, which, per_rank=per_rank).item())
+
+
+def model_digest_tensor(
+    module: torch.nn.Module, which: Weights, *, per_rank: Collection[str] = ()
+) -> torch.Tensor:
+    """:func:`model_digest` as a 0-dim int64 tensor on the module's device (no host transfer)."""
+    return weights_digest_tensor(t for _, t in named_state(module, which, per_rank=per_rank))
 
 
 OptimizerState = Mapping[Any, Mapping[str, Any]]
@@ -328,6 +281,12 @@ def optimizer_digest(source: torch.optim.Optimizer | OptimizerState) -> int:
     ``"state"`` (parameter indices in order, which number ``param_groups`` the same way), so a
     live optimizer and its saved state digest alike.
     """
+    return int(optimizer_digest_tensor(source).item())
+
+
+def optimizer_digest_tensor(source: torch.optim.Optimizer | OptimizerState) -> torch.Tensor:
+    """:func:`optimizer_digest` as a 0-dim int64 tensor on the state's device (no host transfer;
+    CPU-resident step counters are folded in as host numbers)."""
     if isinstance(source, torch.optim.Optimizer):
         entries: list[Any] = [source.state.get(p, {}) for g in source.param_groups for p in g["params"]]
     else:
@@ -336,4 +295,4 @@ def optimizer_digest(source: torch.optim.Optimizer | OptimizerState) -> int:
     for entry in entries:
         if isinstance(entry, Mapping):
             tensors.extend(entry[k] for k in sorted(entry, key=str) if isinstance(entry[k], torch.Tensor))
-    return weights_digest(tensors)
+    return weights_digest_tensor(tensors)

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from replicheck import fingerprint as fp
+from replicheck import fused_digest as fd
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -130,3 +133,145 @@ def test_malformed_or_mismatched_sketch_is_a_disagreement() -> None:
     assert fp.sketch_distance(bad, bad).tolist() == [float("inf")]
     with pytest.raises(ValueError, match="block"):
         fp.sketches([torch.randn(3)], seed=1, block=0)
+
+
+# -- the fused path: many tensors at once ---------------------------------------------------------
+
+_SIZES = st.lists(st.integers(min_value=0, max_value=3000), min_size=2, max_size=12)
+
+
+def _tensors(sizes: list[int], seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    dtypes = (torch.float32, torch.bfloat16, torch.float64, torch.float16)
+    return [torch.randn(n, generator=g).to(dtypes[i % len(dtypes)]) for i, n in enumerate(sizes)]
+
+
+def _reference(t: torch.Tensor | None) -> int:
+    """The per-tensor definition written out: rows of 16 words, odd row and even column weights."""
+    if t is None:
+        return fd.NONE_DIGEST
+    w = fd.words(t).to(torch.int64)
+    n = w.numel()
+    m = n // fd.ROW
+    total = fd.wrap(n * fd.K_TAIL)
+    weight = [fd.wrap((i + 1) * fd.K_ROW) | 1 for i in range(max(m, n - m * fd.ROW, fd.ROW))]
+    for i, x in enumerate(w.tolist()):
+        if i < m * fd.ROW:
+            r, c = divmod(i, fd.ROW)
+            total += x * (weight[r] + fd.wrap(weight[c] * 2 * fd.K_COL))
+        else:
+            total += x * fd.wrap(weight[i - m * fd.ROW] * fd.K_TAIL)
+    return fd.wrap(total)
+
+
+def test_fused_digests_equal_the_per_tensor_definition() -> None:
+    """Small, large, chunk-split, odd-width and ``None`` tensors digest to their definition's value."""
+    g = torch.Generator().manual_seed(1)
+    ts: list[torch.Tensor | None] = [
+        torch.randn(n, generator=g).to(dt)
+        for n, dt in [(5, torch.float32), (2049, torch.bfloat16), (20000, torch.float32), (7, torch.int8)]
+    ]
+    ts.insert(2, None)
+    got = fp.digests(ts).tolist()
+    assert got == [_reference(t) for t in ts]
+    saved = fd._CHUNK_WORDS
+    try:
+        fd._CHUNK_WORDS = 64  # every tensor in its own chunk
+        assert fp.digests(ts).tolist() == got
+    finally:
+        fd._CHUNK_WORDS = saved
+
+
+@settings(max_examples=40, deadline=None)
+@given(sizes=_SIZES, seed=st.integers(0, 2**31), data=st.data())
+def test_any_single_bit_flip_in_any_tensor_changes_the_combined_digest(
+    sizes: list[int], seed: int, data: st.DataObject
+) -> None:
+    """Flipping one bit anywhere in any one of many tensors changes the combined weights digest."""
+    ts = _tensors(sizes, seed)
+    candidates = [i for i, t in enumerate(ts) if t.numel()]
+    if not candidates:
+        return
+    i = data.draw(st.sampled_from(candidates))
+    pos = data.draw(st.integers(0, ts[i].numel() - 1))
+    bit = data.draw(st.integers(0, ts[i].element_size() * 8 - 1))
+    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[ts[i].element_size()]
+    base = fp.weights_digest(ts)
+    flipped = [t.clone() for t in ts]
+    view = flipped[i].view(ints).view(-1)
+    view[pos] = view[pos] ^ (torch.tensor(1, dtype=torch.int64) << bit).to(ints)
+    assert fp.weights_digest(flipped) != base
+
+
+@settings(max_examples=40, deadline=None)
+@given(sizes=_SIZES, seed=st.integers(0, 2**31), data=st.data())
+def test_moving_a_value_between_tensors_changes_the_combined_digest(
+    sizes: list[int], seed: int, data: st.DataObject
+) -> None:
+    """Swapping a value of one tensor with a different value of another changes the combined digest."""
+    ts = [t.float() for t in _tensors(sizes, seed)]
+    nonempty = [i for i, t in enumerate(ts) if t.numel()]
+    if len(nonempty) < 2:
+        return
+    a, b = data.draw(st.lists(st.sampled_from(nonempty), min_size=2, max_size=2, unique=True))
+    pa, pb = data.draw(st.integers(0, ts[a].numel() - 1)), data.draw(st.integers(0, ts[b].numel() - 1))
+    if ts[a][pa] == ts[b][pb]:
+        return
+    moved = [t.clone() for t in ts]
+    moved[a][pa], moved[b][pb] = ts[b][pb], ts[a][pa]
+    assert fp.weights_digest(moved) != fp.weights_digest(ts)
+
+
+@settings(max_examples=25, deadline=None)
+@given(sizes=_SIZES, seed=st.integers(0, 2**31))
+def test_fused_digests_are_those_of_each_tensor_alone(sizes: list[int], seed: int) -> None:
+    """Digesting many tensors at once gives each tensor the digest it has alone (equal bits, equal digest)."""
+    ts = _tensors(sizes, seed)
+    assert fp.digests(ts).tolist() == [fp.tensor_digest(t) for t in ts]
+    assert fp.digests(ts, fold_zero=True).tolist() == [fp.tensor_digest(t, fold_zero=True) for t in ts]
+    assert fp.weights_digest(ts) == int(fp.combine(fp.digests(ts)))
+
+
+def test_digests_create_no_host_tensor_for_a_cached_layout() -> None:
+    """Once a layout is cached, digesting builds no tensor from host data (nothing to copy to a device)."""
+    ts = _tensors([10, 5000, 3, 40000], 0)
+    fp.weights_digest_tensor(ts)
+    seen: list[str] = []
+    real = torch.tensor
+
+    def spy(*args: object, **kwargs: object) -> torch.Tensor:
+        seen.append("torch.tensor")
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    torch.tensor = spy  # type: ignore[assignment]
+    try:
+        out = fp.weights_digest_tensor(ts)
+        fp.digests(ts, fold_zero=True)
+    finally:
+        torch.tensor = real  # type: ignore[assignment]
+    assert seen == [] and out.dim() == 0
+
+
+def test_digest_values_are_those_checkpoint_manifests_were_written_with() -> None:
+    """Known values (computed by the per-tensor implementation before the fused one, on exactly
+    rounded inputs) still come out, so manifests written before the fused digests still verify."""
+    ts: list[torch.Tensor | None] = [
+        torch.arange(40, dtype=torch.float32) / 7,
+        torch.arange(5000, dtype=torch.float64) * 0.37 - 11.5,
+        (torch.arange(3001) % 251).to(torch.uint8),
+        None,
+        (torch.arange(70000, dtype=torch.float32) / 9 - 3).to(torch.bfloat16),
+    ]
+    assert [fp.tensor_digest(t) for t in ts] == [
+        -2148113422080151725,
+        -7358407754161062191,
+        6112585133768948820,
+        6840123409045651457,
+        -6395374478416323784,
+    ]
+    assert fp.weights_digest(ts) == -4922199187997557277
+    state = {
+        0: {"exp_avg": torch.arange(10.0) / 3, "step": torch.tensor(4.0)},
+        1: {"exp_avg": torch.arange(2000.0) * 0.01 - 5, "step": torch.tensor(4.0)},
+    }
+    assert fp.optimizer_digest(state) == -7458013674103572681

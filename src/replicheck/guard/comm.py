@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 import torch
@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from replicheck.guard.batch import pack, unpack
 from replicheck.guard.errors import CommError
+from replicheck.guard.transfer import to_host
 
 T = TypeVar("T")
 
@@ -36,34 +37,63 @@ class Comm:
         return dist.get_global_rank(self.group, group_rank)
 
     def gather_rows(self, row: torch.Tensor) -> torch.Tensor:
-        """All-gather one 1-D int64 row per rank into a ``(world, len)`` CPU tensor."""
+        """All-gather one 1-D int64 row per rank into a ``(world, len)`` CPU tensor.
+
+        One counted device→host transfer: after the all-gather where the group moves device
+        tensors (NCCL), before it where it moves host tensors (gloo).
+        """
         if self.world_size == 1:
-            return row.reshape(1, -1).clone()
+            return to_host(row.reshape(1, -1), "step row").clone()
+        if self.device.type == "cpu":
+            return self._gather_host(to_host(row, "step row"))
         local = row.to(self.device)
         out = [torch.empty_like(local) for _ in range(self.world_size)]
         dist.all_gather(out, local, group=self.group)
-        return torch.stack(out).cpu()
+        return to_host(torch.stack(out), "step row")
+
+    def _gather_host(self, local: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+        """All-gather of a CPU row over a group that moves host tensors (no transfer)."""
+        out = [torch.empty_like(local) for _ in range(self.world_size)]
+        dist.all_gather(out, local, group=group if group is not None else self.group)
+        return torch.stack(out)
 
     def host_flags(self, flag: bool) -> list[bool]:
-        """Every rank's ``flag``, gathered without touching the accelerator.
+        """Every rank's ``flag`` (waits for every rank: :meth:`post_host_flag`, then its result)."""
+        return self.post_host_flag(flag)()
 
-        On NCCL a one-value all-gather of a device tensor waits for the device's queued work, so
-        the flags travel over a CPU (gloo) group created on first use (every rank calls this at
-        the same points, so the group is created symmetrically).
+    def post_host_flag(self, flag: bool) -> Callable[[], list[bool]]:
+        """Start gathering every rank's ``flag`` without touching the accelerator; returns the
+        wait for the result.
+
+        Gloo groups gather the host value in place, asynchronously. On NCCL a one-value
+        all-gather of a device tensor would wait for the device's queued work, so the flags
+        travel over a CPU (gloo) group created on first use (every rank posts at the same points,
+        so the group is created symmetrically); over an NCCL subgroup (``new_group`` needs every
+        process of the job) the device path is used, synchronously.
         """
         if self.world_size == 1:
-            return [flag]
-        whole_world = self.group is None or self.group == dist.group.WORLD
-        if self.device.type == "cpu" or not whole_world:
-            # new_group needs every process of the job; over a subgroup the device path is used.
-            return [bool(f) for f in self.gather_rows(torch.tensor([int(flag)]))[:, 0].tolist()]
-        if self._host_group is None:
-            ranks = [self.global_rank(r) for r in range(self.world_size)]
-            self._host_group = dist.new_group(ranks, backend="gloo")
+            return lambda: [flag]
         local = torch.tensor([int(flag)], dtype=torch.int64)
+        whole_world = self.group is None or self.group == dist.group.WORLD
+        if self.device.type == "cpu":
+            group = self.group
+        elif whole_world:
+            if self._host_group is None:
+                ranks = [self.global_rank(r) for r in range(self.world_size)]
+                self._host_group = dist.new_group(ranks, backend="gloo")
+            group = self._host_group
+        else:
+            flags = [bool(f) for f in self.gather_rows(local)[:, 0].tolist()]
+            return lambda: flags
         out = [torch.empty_like(local) for _ in range(self.world_size)]
-        dist.all_gather(out, local, group=self._host_group)
-        return [bool(int(t.item())) for t in out]
+        work = dist.all_gather(out, local, group=group, async_op=True)
+
+        def wait() -> list[bool]:
+            if work is not None:
+                work.wait()
+            return [bool(int(t[0])) for t in out]
+
+        return wait
 
     def gather_objects(self, obj: T) -> list[T]:
         """Every rank's ``obj`` (pickled), indexed by rank."""

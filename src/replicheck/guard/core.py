@@ -8,7 +8,7 @@ import functools
 import logging
 import math
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, NoReturn
@@ -32,6 +32,7 @@ from replicheck.guard.errors import (
     LossContractError,
     PeerFailed,
 )
+from replicheck.guard.flags import FailureFlags
 from replicheck.guard.health import GradHealth, ReducedHook
 from replicheck.guard.loss import LossFn, LossSum, unpack
 from replicheck.guard.probe import (
@@ -56,9 +57,10 @@ from replicheck.guard.support import (
     step_gate,
     unwrap_compiled,
 )
+from replicheck.guard.transfer import host_result
 from replicheck.guard.unwind import BucketCount, finish_reductions
 from replicheck.guard.verdict import Finding, calibration_noise, tolerance
-from replicheck.guard.wire import ProbePayload, ProbeResult, StepRow
+from replicheck.guard.wire import HostRow, ProbePayload, ProbeResult, StepRow
 from replicheck.incident import NodeIdentity
 
 log = logging.getLogger(__name__)
@@ -107,8 +109,8 @@ class _OwnProbe:
 class _Backward:
     """What the step's backward passes left behind."""
 
-    loss: float
-    """The rank's loss for the step."""
+    loss: torch.Tensor
+    """The rank's loss for the step (float64, on the device: it reaches the host in the row)."""
     passes: list[BackwardPass]
     """The passes as they ran, for a re-run on the failure path."""
 
@@ -158,6 +160,8 @@ class Guard:
         )
         self._health = GradHealth(self._comm.group, digest_reduced=cfg.check_reduced and self.world_size > 1)
         self._buckets = BucketCount()
+        self._flags = FailureFlags(self._comm)
+        self._health.peer_failed = self._flags.any_failed
         self._hooked = self._install_comm_hook()
         if cfg.mode == "exact" and not cfg.use_deterministic:
             log.warning("exact mode without deterministic kernels: a replay may differ by kernel noise")
@@ -222,9 +226,9 @@ class Guard:
             ) from None
         return True
 
-    def _weights_digest(self) -> int:
-        """Every parameter (frozen ones too) and every buffer replicas share."""
-        return fp.model_digest(self._module, "replicated", per_rank=self._config.per_rank_buffers)
+    def _weights_digest(self) -> torch.Tensor:
+        """Every parameter (frozen ones too) and every buffer replicas share (on the device)."""
+        return fp.model_digest_tensor(self._module, "replicated", per_rank=self._config.per_rank_buffers)
 
     def _count_ddp_forward(self, module: torch.nn.Module, args: object) -> None:
         self._ddp_entries += 1
@@ -268,12 +272,15 @@ class Guard:
     def check_replicas(self) -> None:
         """Collective: compare weights and optimizer state now; raise CorruptionDetected if they differ."""
         step = self._next_step - 1
-        row = torch.tensor(
-            [self._weights_digest(), fp.optimizer_digest(self._optimizer)],
-            dtype=torch.int64,
+        row: StepRow[float, int | torch.Tensor] = StepRow(
+            loss=0.0,
+            local_norm=0.0,
+            reduced=0,
+            weights=self._weights_digest(),
+            optimizer=fp.optimizer_digest_tensor(self._optimizer),
         )
-        rows = self._comm.gather_rows(row)
-        findings = replicas.findings(rows[:, 0].tolist(), rows[:, 1].tolist())
+        rows = StepRow.decode(self._comm.gather_rows(row.encode(self._device)))
+        findings = replicas.findings([int(r.weights) for r in rows], [int(r.optimizer) for r in rows])
         if findings:
             self._raise(step, findings)
 
@@ -290,6 +297,7 @@ class Guard:
             self._rebuild_buckets(microbatches[0])
         self._optimizer.zero_grad(set_to_none=True)
         self._health.reset()
+        self._flags.reset()
         self._failure = None
 
         own = (
@@ -297,7 +305,8 @@ class Guard:
         )
         done = self._backward(s, list(microbatches), sizes, own)
         row, view = self._local_row(s, done, own, check_replicas)
-        rows = StepRow.decode(self._comm.gather_rows(row.encode()))
+        # The step's one device→host transfer: every rank's row, after the all-gather.
+        rows = StepRow.decode(self._comm.gather_rows(row.encode(self._device)))
         self._stop_on_failure(s, [r.failed for r in rows])
         findings = self._evaluate(s, rows, check_replicas, view, done.passes)
         if findings:
@@ -314,7 +323,9 @@ class Guard:
         if check_replicas:
             log.info("step %d weights and optimizer state agree across %d ranks", s, self.world_size)
         self._next_step = s + 1
-        return StepResult(loss=row.loss, step=s, verified=verify, replicas_checked=check_replicas)
+        return StepResult(
+            loss=float(rows[self.rank].loss), step=s, verified=verify, replicas_checked=check_replicas
+        )
 
     # -- the step's phases ------------------------------------------------------------------
     def _no_sync(self, sync: bool) -> AbstractContextManager[Any]:
@@ -352,9 +363,10 @@ class Guard:
         for i, mb in enumerate(mbs):
             last = i == len(mbs) - 1
             with self._no_sync(last), running(s, "train"):
-                loss, count = self._forward(
-                    s, functools.partial(self._loss_fn, self._model, mb), "training pass"
-                )
+                got = self._forward(s, functools.partial(self._loss_fn, self._model, mb), "training pass")
+                if got is None:
+                    continue  # this rank failed: no backward (its peers learn it before theirs syncs)
+                loss, count = got
                 self._note_loss_kind(count)
                 w = weights[i]
                 if count is not None:
@@ -366,11 +378,13 @@ class Guard:
                 self._run_backward(loss * w, synced=last)
             parts.append((w, loss.detach(), count))
             passes.append(BackwardPass(batch=mb, weight=w, seed=None))
+        # Every rank has posted one flag per forward; a failure anywhere ends the step here.
+        self._stop_on_failure(s, self._flags.collect())
         if self._loss_sum:
             passes = [dataclasses.replace(p, weight=scale) for p in passes]
-            step_loss = float(sum(part.double() for _, part, _ in parts)) * scale
+            step_loss = _total(part.double() for _, part, _ in parts) * scale
         else:
-            step_loss = float(sum(w * part.double() for w, part, _ in parts))
+            step_loss = _total(w * part.double() for w, part, _ in parts)
         if not self._hooked:
             grads = [p.grad for p in self._params if p.grad is not None]
             self._health.observe_local(grads)
@@ -407,12 +421,16 @@ class Guard:
                     p.grad.mul_(scale)
 
     # -- errors on one rank stop every rank in the step's next collective ----------------------
-    def _forward(self, s: int, run: Callable[[], object], where: str) -> tuple[torch.Tensor, float | None]:
-        """One forward pass whose error on any rank stops every rank before the next backward.
+    def _forward(
+        self, s: int, run: Callable[[], object], where: str
+    ) -> tuple[torch.Tensor, float | None] | None:
+        """One forward pass; ``None`` when this rank has failed in the step (here or before).
 
-        The flag travels in a one-value all-gather after each forward: a rank that failed (here
-        or earlier in the step) re-raises its error, the others raise :class:`PeerFailed`, so
-        none waits in a gradient all-reduce until the process group's timeout.
+        The flag is posted after each forward without waiting (:mod:`replicheck.guard.flags`):
+        a failed rank runs no backward, the healthy ones learn it in the comm hook before their
+        first all-reduce and skip the step's all-reduces, and after the passes the failed rank
+        re-raises its error and the others raise :class:`PeerFailed`; none waits in a gradient
+        all-reduce until the process group's timeout.
         """
         loss: torch.Tensor | None = None
         count: float | None = None
@@ -425,9 +443,9 @@ class Guard:
                 self._failure = exc
         if self._failure is not None and self._ddp_entries == entered:
             self._ddp_collectives_of_forward()
-        self._stop_on_failure(s, self._comm.host_flags(self._failure is not None))
-        if loss is None:  # unreachable: a failure above has raised
-            raise GuardError("internal: forward produced no loss")
+        self._flags.post(self._failure is not None)
+        if self._failure is not None or loss is None:
+            return None
         return loss, count
 
     def _ddp_collectives_of_forward(self) -> None:
@@ -460,12 +478,13 @@ class Guard:
 
     def _local_row(
         self, s: int, done: _Backward, own: _OwnProbe | None, check_replicas: bool
-    ) -> tuple[StepRow, LocalView | None]:
+    ) -> tuple[StepRow[Any, Any], LocalView | None]:
         """This rank's contribution to the step's all-gather (the ring exchange runs here)."""
+        # Device tensors throughout: the row reaches the host once, after the all-gather.
         loss = done.loss
         local_norm, reduced = self._health.local_norm(), self._health.reduced_digest()
-        weights = self._weights_digest() if check_replicas else 0
-        opt = fp.optimizer_digest(self._optimizer) if check_replicas else 0
+        weights: torch.Tensor | int = self._weights_digest() if check_replicas else 0
+        opt: torch.Tensor | int = fp.optimizer_digest_tensor(self._optimizer) if check_replicas else 0
         row = StepRow(loss=loss, local_norm=local_norm, reduced=reduced, weights=weights, optimizer=opt)
         view: LocalView | None = None
         if own is not None:
@@ -506,13 +525,19 @@ class Guard:
                 seeded(seed, self._params[0].device),
                 deterministic(cfg.use_deterministic),
             ):
-                loss, count = self._forward(s, lambda: self._loss_fn(self._model, probe_batch), "probe")
-                self._note_loss_kind(count)
-                weight = 1.0 if count is not None else weight
-                self._run_backward(loss * weight, synced=False)
-            result = ProbeResult(
-                float(loss.detach()), self._fingerprinter([q.grad for q in self._params], seed)
-            )
+                got = self._forward(s, lambda: self._loss_fn(self._model, probe_batch), "probe")
+                if got is not None:
+                    loss, count = got
+                    self._note_loss_kind(count)
+                    weight = 1.0 if count is not None else weight
+                    self._run_backward(loss * weight, synced=False)
+            if got is None:
+                # This rank failed: keep the step's shape (the same passes, so the same flags
+                # as its peers) until every rank stops after the passes.
+                result = ProbeResult(math.nan, torch.zeros(0))
+                loss, count = torch.zeros(()), None
+            else:
+                result = host_result(loss, self._fingerprinter([q.grad for q in self._params], seed))
             split_probe = _SplitProbe(
                 loss=loss.detach(), count=count, weight=weight, rest=rest if size > p else None
             )
@@ -553,7 +578,7 @@ class Guard:
     def _evaluate(
         self,
         s: int,
-        rows: Sequence[StepRow],
+        rows: Sequence[HostRow],
         check_replicas: bool,
         view: LocalView | None,
         passes: Sequence[BackwardPass],
@@ -587,7 +612,7 @@ class Guard:
                 findings.append(f)
         return findings
 
-    def _threshold(self, rows: Sequence[StepRow]) -> float:
+    def _threshold(self, rows: Sequence[HostRow]) -> float:
         """Tolerant mode: the threshold, after folding this step's noise into the calibration."""
         cfg = self._config
         if cfg.mode != "tolerant":
@@ -599,7 +624,7 @@ class Guard:
             self._noise, margin=cfg.tolerance_margin, floor=cfg.tolerance_floor, ceiling=cfg.tolerance_ceiling
         )
 
-    def _replay_finding(self, s: int, rows: Sequence[StepRow], view: LocalView) -> Finding | None:
+    def _replay_finding(self, s: int, rows: Sequence[HostRow], view: LocalView) -> Finding | None:
         criterion = Criterion(mode=self._config.mode, threshold=self._threshold(rows))
         pairs = []
         for ver in range(self.world_size):
@@ -657,6 +682,16 @@ def _passes(work: object, device: torch.device) -> list[BackwardPass]:
     if not isinstance(work, list):
         raise GuardError(f"a peer sent {type(work).__name__} instead of its passes")
     return [BackwardPass(batch=to_device(b, device), weight=float(w), seed=seed) for b, w, seed in work]
+
+
+def _total(parts: Iterable[torch.Tensor]) -> torch.Tensor:
+    """The parts added in order on their device (as the float sum was, so the bits are the same)."""
+    out: torch.Tensor | None = None
+    for p in parts:
+        out = p if out is None else out + p
+    if out is None:
+        raise GuardError("internal: a step without passes")
+    return out
 
 
 def _backward(loss: torch.Tensor) -> None:

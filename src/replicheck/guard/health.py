@@ -17,6 +17,10 @@ ReducedHook = Callable[[int, torch.Tensor], None]
 class GradHealth:
     """Collects, for one step, the local gradient norm and the digest of the reduced gradient.
 
+    Everything stays on the gradients' device and nothing here waits for it: the results are
+    0-dim device tensors that ride in the step's row (one host transfer per step, after the
+    all-gather), so the comm hook never stalls the overlap of backward and all-reduce.
+
     As a DDP communication hook it sees every bucket before the all-reduce (so a non-finite or
     huge local gradient is attributed to the rank that produced it) and after it (so every
     rank's reduced gradient can be compared bit for bit). It reduces the way DDP's default hook
@@ -27,6 +31,9 @@ class GradHealth:
         self.group = group
         self.digest_reduced = digest_reduced
         self.reduced_hooks: list[ReducedHook] = []
+        self.peer_failed: Callable[[], bool] | None = None
+        """Asked before each bucket's all-reduce: when a rank failed in this step's forward (it
+        never joins the all-reduce), the bucket is left local instead (the step is discarded)."""
         self.reset()
 
     def reset(self) -> None:
@@ -48,6 +55,10 @@ class GradHealth:
         buf = bucket.buffer()
         # Squared norm: one streaming read; NaN and Inf propagate into it.
         self._local_sq.append(_sq_norm(buf))
+        if self.peer_failed is not None and self.peer_failed():
+            skipped: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+            skipped.set_result(buf)
+            return skipped
         world = dist.get_world_size(self.group)
         buf.div_(world)
         work = dist.all_reduce(buf, group=self.group, async_op=True)
@@ -66,7 +77,7 @@ class GradHealth:
     # -- without DDP (world size 1, or a user-owned comm hook) -------------------------------
     def observe_local(self, grads: Sequence[torch.Tensor]) -> None:
         if grads:
-            self._local_sq.append(torch.stack([_sq_norm(g) for g in grads]).sum())
+            self._local_sq.extend(_sq_norm(g) for g in grads)
 
     def observe_reduced(self, grads: Sequence[torch.Tensor]) -> None:
         if self.digest_reduced and grads:
@@ -75,16 +86,17 @@ class GradHealth:
             self._reduced[0] = fp.combine(fp.digests(grads))
 
     # -- results ------------------------------------------------------------------------------
-    def local_norm(self) -> float:
+    def local_norm(self) -> torch.Tensor | float:
+        """The local gradient norm (float64, on the device), or 0.0 when no gradient was seen."""
         if not self._local_sq:
             return 0.0
-        return float(torch.stack([t.cpu() for t in self._local_sq]).sum().sqrt())
+        return torch.stack(self._local_sq).sum().sqrt()
 
-    def reduced_digest(self) -> int:
+    def reduced_digest(self) -> torch.Tensor | int:
+        """The reduced gradient's digest (on the device), or 0 when not checked."""
         if not self._reduced:
             return 0
-        ordered = torch.stack([self._reduced[i].cpu() for i in sorted(self._reduced)])
-        return int(fp.combine(ordered))
+        return fp.combine(torch.stack([self._reduced[i] for i in sorted(self._reduced)]))
 
 
 def _sq_norm(t: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,7 @@ from typing import Any, Literal
 import torch
 
 from replicheck.guard.errors import LossContractError
+from replicheck.guard.transfer import to_host
 
 LossReduction = Literal["unknown", "sample_mean", "sum"]
 """What a plain scalar loss is over its batch: unknown, a mean over samples, or a plain sum."""
@@ -40,7 +41,11 @@ def unpack(out: object) -> tuple[torch.Tensor, float | None]:
     if isinstance(out, LossSum):
         if not isinstance(out.total, torch.Tensor) or out.total.numel() != 1:
             raise LossContractError("LossSum.total must be a scalar tensor")
-        count = float(out.count)
+        # A device tensor count is one counted host transfer per pass (pass a Python number
+        # to avoid it): the count sets the step's gradient scale on the host.
+        count = float(
+            to_host(out.count, "LossSum.count") if isinstance(out.count, torch.Tensor) else out.count
+        )
         if not count >= 0:
             raise LossContractError(f"LossSum.count must be >= 0, got {count}")
         return out.total.reshape(()), count

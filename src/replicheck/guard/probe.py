@@ -16,6 +16,7 @@ from replicheck.guard.context import PassName, running
 from replicheck.guard.determinism import deterministic
 from replicheck.guard.loss import LossFn, unpack
 from replicheck.guard.rng import forked_rng
+from replicheck.guard.transfer import host_result, to_host
 from replicheck.guard.wire import ProbePayload, ProbeResult, float_bits
 
 __all__ = [
@@ -125,7 +126,7 @@ class Recompute:
                 break
             except _RetryWithBackward:
                 continue
-        return ProbeResult(loss=float(loss.detach()), fingerprint=self._fingerprinter(grads, seed))
+        return host_result(loss, self._fingerprinter(grads, seed))
 
     def _gradients(self, batch: Any, weight: float) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
         """The pass's loss and its gradients, leaving every ``.grad`` as it was.
@@ -172,7 +173,8 @@ class Recompute:
         present = [g.float() for g in acc if g is not None]
         if not present:
             return 0.0
-        return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in present])))
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in present]))
+        return float(to_host(norm, "gradient re-run norm"))
 
 
 class _RetryWithBackward(Exception):

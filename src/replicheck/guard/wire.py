@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
 
@@ -129,25 +129,33 @@ class ArbitrationRequest:
         )
 
 
-@dataclass(frozen=True)
-class StepRow:
-    """What one rank reports in the step's all-gather (floats travel as their bits)."""
+F = TypeVar("F", bound=float | torch.Tensor)
+I = TypeVar("I", bound=int | torch.Tensor)  # noqa: E741 - the int fields' type
 
-    loss: float
+
+@dataclass(frozen=True)
+class StepRow(Generic[F, I]):
+    """What one rank reports in the step's all-gather (floats travel as their bits).
+
+    Every field may also be a 0-dim tensor on the rank's device, so the row is built there and
+    crosses to the host once, after the all-gather; :meth:`decode` gives plain numbers.
+    """
+
+    loss: F
     """The rank's loss for the step."""
-    local_norm: float
+    local_norm: F
     """Norm of the rank's local gradient before the all-reduce."""
-    reduced: int
+    reduced: I
     """Digest of the all-reduced gradient (0 when not checked)."""
-    weights: int = 0
+    weights: I | int = 0
     """Digest of the weights (on replica-check steps)."""
-    optimizer: int = 0
+    optimizer: I | int = 0
     """Digest of the optimizer state (on replica-check steps)."""
     verified: bool = False
     """The rank replayed its source's probe this step."""
-    pair_distance: float = 0.0
+    pair_distance: F | float = 0.0
     """Distance between the source's claimed probe result and this rank's replay of it."""
-    noise: float = 0.0
+    noise: F | float = 0.0
     """Replay-to-replay distance of this rank's own probe (tolerant-mode calibration)."""
     failed: bool = False
     """The rank raised an error inside the step (every rank then stops; that rank re-raises it)."""
@@ -155,29 +163,36 @@ class StepRow:
     WIDTH = 9
     """Columns of the encoded row."""
 
-    def encode(self) -> torch.Tensor:
-        return torch.tensor(
-            [
-                float_bits(self.local_norm),
-                self.reduced,
-                self.weights,
-                self.optimizer,
-                int(self.verified),
-                float_bits(self.pair_distance),
-                float_bits(self.noise),
-                float_bits(self.loss),
-                int(self.failed),
-            ],
-            dtype=torch.int64,
-        )
+    def encode(self, device: torch.device | None = None) -> torch.Tensor:
+        """The int64 row, on ``device`` (default: that of the first tensor field, else the CPU).
+
+        Built with device kernels only: a tensor field is reinterpreted (floats) or converted in
+        place on its device, a number is written by a fill, so nothing waits for the device.
+        """
+        fields: list[tuple[object, bool]] = [
+            (self.local_norm, True),
+            (self.reduced, False),
+            (self.weights, False),
+            (self.optimizer, False),
+            (self.verified, False),
+            (self.pair_distance, True),
+            (self.noise, True),
+            (self.loss, True),
+            (self.failed, False),
+        ]
+        if device is None:
+            device = next((v.device for v, _ in fields if isinstance(v, torch.Tensor)), torch.device("cpu"))
+        if not any(isinstance(v, torch.Tensor) for v, _ in fields):
+            return torch.tensor([_bits(v, is_float) for v, is_float in fields], dtype=torch.int64)
+        return torch.stack([_cell(v, is_float, device) for v, is_float in fields])
 
     @classmethod
-    def decode(cls, rows: torch.Tensor) -> list[StepRow]:
+    def decode(cls, rows: torch.Tensor) -> list[HostRow]:
         """The rows of a ``(world, WIDTH)`` all-gather, indexed by rank."""
         if rows.dim() != 2 or rows.shape[1] != cls.WIDTH:
             raise WireFormatError(f"step rows must have shape (world, {cls.WIDTH}), got {tuple(rows.shape)}")
         return [
-            cls(
+            StepRow(
                 local_norm=bits_float(norm),
                 reduced=reduced,
                 weights=weights,
@@ -190,3 +205,27 @@ class StepRow:
             )
             for norm, reduced, weights, opt, verified, pair, noise, loss, failed in rows.tolist()
         ]
+
+
+def _bits(value: object, is_float: bool) -> int:
+    """A number as it is stored in a row: a float's bits, or the integer."""
+    if is_float:
+        return float_bits(float(value))  # type: ignore[arg-type]  # the fields are numbers here
+    return int(value)  # type: ignore[call-overload,no-any-return]
+
+
+def _cell(value: object, is_float: bool, device: torch.device) -> torch.Tensor:
+    """One cell of a row as a 0-dim int64 tensor on ``device``, without a host transfer."""
+    if isinstance(value, torch.Tensor):
+        v = value.detach().reshape(())
+        if v.device.type == "cpu" and device.type != "cpu":
+            value = v.item()  # a host value already: written by a fill, not copied up
+        else:
+            if v.device != device:
+                v = v.to(device)  # between accelerators: a device-to-device copy
+            return v.to(torch.float64).view(torch.int64) if is_float else v.to(torch.int64)
+    return torch.full((), _bits(value, is_float), dtype=torch.int64, device=device)
+
+
+HostRow = StepRow[float, int]
+"""A decoded row: every field a plain number."""

@@ -1,0 +1,21 @@
+"""An error in one rank's forward ends every rank in the same step, wherever it is raised
+(the failure flag rides to the step's first all-reduce instead of a wait after each forward)."""
+
+from __future__ import annotations
+
+import pytest
+from transfer_ranks import fail_once
+
+from replicheck.harness.launch import node_names, run_local
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("where", ["before", "inside", "after", "first_of_two", "split_probe", "split_rest"])
+def test_forward_error_on_one_rank_stops_every_rank_in_that_step(where: str) -> None:
+    """Rank 1's error (before, inside or after the DDP forward, in the first of two micro-batches,
+    or in a split probe or the pass after it) is raised there and PeerFailed on the other ranks at the same step, promptly,
+    and no rank applies that step's update."""
+    results = run_local(fail_once, node_names(3, 1), args=(where, 2), timeout=120)
+    for rank, (outcome, seconds, kept) in enumerate(results):
+        assert outcome == ("KeyError@2" if rank == 1 else "PeerFailed@2"), (rank, outcome)
+        assert seconds < 60 and kept, (rank, seconds, kept)
