@@ -14,7 +14,7 @@ STEPS = 7
 @pytest.mark.timeout(200)
 def test_one_transfer_per_ordinary_step_and_a_fixed_few_on_verification_steps() -> None:
     """An ordinary step makes exactly one host transfer (its row); a verification + weights step
-    makes the same small number whatever the model's number of tensors; check_replicas makes one."""
+    makes the same small number (8) whatever the model's number of tensors; check_replicas makes one."""
     by_depth = {
         layers: run_local(count_per_step, node_names(2, 1), args=(layers, STEPS, PERIOD), timeout=150)
         for layers in (1, 6)
@@ -27,6 +27,14 @@ def test_one_transfer_per_ordinary_step_and_a_fixed_few_on_verification_steps() 
                 if s % PERIOD:
                     assert c == {"total": 1, "step row": 1}, where
                 else:
-                    # The row, this rank's own probe result and its replay of its source's probe.
-                    assert c == {"total": 3, "step row": 1, "probe result": 2}, where
+                    # The row, this rank's own probe result and its replay of its source's probe;
+                    # the exchange's lengths; the probe payload serialised (its two batch tensors and
+                    # its fingerprint) and the received one read back: none depends on the model.
+                    assert c == {
+                        "total": 8,
+                        "step row": 1,
+                        "probe result": 2,
+                        "exchange lengths": 1,
+                        "probe batch": 4,
+                    }, where
             assert replicas == {"total": 1, "step row": 1}, (layers, rank)

@@ -16,6 +16,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from replicheck.guard.errors import BatchError
+from replicheck.guard.transfer import to_host
 
 
 def _is_record(x: Any) -> bool:
@@ -96,7 +97,7 @@ _RECORD_TAG = "replicheck.record/1"
 
 def _to_wire(x: Any) -> Any:
     if isinstance(x, torch.Tensor):
-        return x.detach().cpu()
+        return to_host(x, "probe batch")
     if _is_record(x) or (isinstance(x, tuple) and hasattr(x, "_fields")):
         names = [f.name for f in dataclasses.fields(x)] if _is_record(x) else list(x._fields)
         cls = type(x)
@@ -142,9 +143,13 @@ def pack(obj: Any) -> torch.Tensor:
     """Serialise ``obj`` (tensors moved to CPU) into a uint8 tensor for point-to-point sends."""
     buf = io.BytesIO()
     torch.save(_to_wire(obj), buf)
-    return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+    # Cloned so torch owns the bytes: a frombuffer tensor keeps a Python object alive, and if the
+    # gloo worker thread that sent it drops the last reference while the interpreter exits, taking
+    # the GIL there aborts the process ("terminate called without an active exception").
+    return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8).clone()
 
 
 def unpack(data: torch.Tensor) -> Any:
     # weights_only: a probe payload holds tensors, numbers, strings and containers only.
-    return _from_wire(torch.load(io.BytesIO(data.cpu().numpy().tobytes()), weights_only=True))
+    raw = to_host(data, "probe batch").numpy().tobytes()
+    return _from_wire(torch.load(io.BytesIO(raw), weights_only=True))

@@ -1,4 +1,8 @@
-"""The few collectives the guard needs, over a torch.distributed process group."""
+"""The few collectives the guard needs, over a torch.distributed process group.
+
+Every tensor given to a collective is held in :data:`~replicheck.guard.inflight.IN_FLIGHT` until
+the backend has released it (see that module: an abort at interpreter exit otherwise).
+"""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ import torch.distributed as dist
 
 from replicheck.guard.batch import pack, unpack
 from replicheck.guard.errors import CommError
+from replicheck.guard.inflight import IN_FLIGHT
 from replicheck.guard.transfer import to_host
 
 T = TypeVar("T")
@@ -31,6 +36,9 @@ class Comm:
         self._host_group: dist.ProcessGroup | None = None
         self._p2p_ready = False
 
+    def _keep(self, *tensors: torch.Tensor) -> None:
+        IN_FLIGHT.hold(tensors)
+
     def global_rank(self, group_rank: int) -> int:
         if not self.distributed or self.group is None:
             return group_rank
@@ -49,12 +57,14 @@ class Comm:
         local = row.to(self.device)
         out = [torch.empty_like(local) for _ in range(self.world_size)]
         dist.all_gather(out, local, group=self.group)
+        self._keep(local, *out)
         return to_host(torch.stack(out), "step row")
 
     def _gather_host(self, local: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
         """All-gather of a CPU row over a group that moves host tensors (no transfer)."""
         out = [torch.empty_like(local) for _ in range(self.world_size)]
         dist.all_gather(out, local, group=group if group is not None else self.group)
+        self._keep(local, *out)
         return torch.stack(out)
 
     def host_flags(self, flag: bool) -> list[bool]:
@@ -87,6 +97,7 @@ class Comm:
             return lambda: flags
         out = [torch.empty_like(local) for _ in range(self.world_size)]
         work = dist.all_gather(out, local, group=group, async_op=True)
+        self._keep(local, *out)
 
         def wait() -> list[bool]:
             if work is not None:
@@ -99,9 +110,18 @@ class Comm:
         """Every rank's ``obj`` (pickled), indexed by rank."""
         if self.world_size == 1:
             return [obj]
-        out = [obj] * self.world_size  # placeholders: the all-gather replaces every slot
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
+        # Not all_gather_object: its tensors are torch's own, which this class cannot keep alive.
+        data = pack(obj).to(self.device)
+        length = torch.tensor([data.numel()], dtype=torch.int64, device=self.device)
+        lengths = [torch.empty_like(length) for _ in range(self.world_size)]
+        dist.all_gather(lengths, length, group=self.group)
+        sizes = [int(n) for n in to_host(torch.cat(lengths), "object lengths").tolist()]
+        padded = torch.zeros(max(sizes), dtype=torch.uint8, device=self.device)
+        padded[: data.numel()] = data
+        out = [torch.empty_like(padded) for _ in range(self.world_size)]
+        dist.all_gather(out, padded, group=self.group)
+        self._keep(length, *lengths, padded, *out)
+        return [unpack(t[:n]) for t, n in zip(out, sizes)]
 
     def exchange(self, sends: Sequence[tuple[int, object]], recv_from: Sequence[int]) -> dict[int, object]:
         """Send each ``(dest, obj)`` and receive one object from every rank in ``recv_from``.
@@ -122,8 +142,12 @@ class Comm:
         ]
         lengths_in = [(src, torch.zeros(1, dtype=torch.int64, device=self.device)) for src in recv_from]
         self._grouped(lengths_out, lengths_in)
+        sizes = (
+            to_host(torch.cat([n for _, n in lengths_in]), "exchange lengths").tolist() if lengths_in else []
+        )
         data_in = [
-            (src, torch.empty(int(n.item()), dtype=torch.uint8, device=self.device)) for src, n in lengths_in
+            (src, torch.empty(int(n), dtype=torch.uint8, device=self.device))
+            for (src, _), n in zip(lengths_in, sizes)
         ]
         self._grouped(payloads, data_in)
         return {src: unpack(t) for src, t in data_in}
@@ -136,7 +160,11 @@ class Comm:
         :meth:`exchange` at the same points, so this runs on every rank alike.
         """
         if not self._p2p_ready:
-            self.gather_rows(torch.zeros(1, dtype=torch.int64))
+            # A device all-reduce: no host transfer, nothing to wait for here.
+            # A device all-reduce: no host transfer, nothing to wait for here.
+            ready = torch.zeros(1, dtype=torch.int64, device=self.device)
+            dist.all_reduce(ready, group=self.group)
+            self._keep(ready)
             self._p2p_ready = True
 
     def _grouped(
@@ -149,6 +177,7 @@ class Comm:
             return  # torch refuses an empty batch; this rank takes no part in this exchange
         for work in dist.batch_isend_irecv(ops):
             work.wait()
+        self._keep(*(t for _, t in sends), *(t for _, t in recvs))
 
 
 def _check_pattern(rank: int, world_size: int, dests: Sequence[int], sources: Sequence[int]) -> None:

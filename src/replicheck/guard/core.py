@@ -440,7 +440,8 @@ class Guard:
                 out = run()
                 loss, count = unpack(out) if isinstance(out, LossSum) else (checked_loss(out, where), None)
             except Exception as exc:  # noqa: BLE001 - re-raised on this rank by _stop_on_failure
-                self._failure = exc
+                # A probe forward runs with deterministic kernels: name an op that has none.
+                self._failure = determinism_error(exc) or exc
         if self._failure is not None and self._ddp_entries == entered:
             self._ddp_collectives_of_forward()
         self._flags.post(self._failure is not None)
@@ -452,9 +453,15 @@ class Guard:
         """The loss function failed before it called the DDP model: take part in the collectives
         DDP runs at the start of its forward (buffer broadcast, bucket rebuild) as the other ranks
         do, so they reach the failure flag instead of waiting in those collectives."""
-        if self._ddp_model is not None:
+        ddp = self._ddp_model
+        if ddp is not None:
             with contextlib.suppress(Exception):
-                self._ddp_model._pre_forward()  # type: ignore[no-untyped-call]  # private, untyped in torch
+                ddp._pre_forward()  # type: ignore[no-untyped-call]  # private, untyped in torch
+                if ddp._check_sync_bufs_post_fwd():  # type: ignore[no-untyped-call]
+                    ddp._sync_buffers()  # type: ignore[no-untyped-call]
+            # What DDP's post-forward records: whether the next forward broadcasts buffers. Without
+            # it, a failed no_sync pass followed by a synced one broadcasts where peers do not.
+            ddp.require_forward_param_sync = torch.is_grad_enabled() and ddp.require_backward_grad_sync
 
     def _attempt(self, run: Callable[[], ProbeResult]) -> ProbeResult | None:
         """Run a computation whose error is reported in the step's all-gather row, not raised here."""
@@ -463,7 +470,7 @@ class Guard:
         try:
             return run()
         except Exception as exc:  # noqa: BLE001 - re-raised on this rank by _stop_on_failure
-            self._failure = exc
+            self._failure = determinism_error(exc) or exc
             return None
 
     def _stop_on_failure(self, s: int, failed: Sequence[bool]) -> None:
