@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from replicheck.harness.workloads import DecoderConfig
 
@@ -71,23 +71,16 @@ def gpu_settings(rounds: int) -> CheckSettings:
 
 
 def tiny_settings(rounds: int) -> CheckSettings:
+    """The GPU run's schedule (steps, onset, periods, ranks) on a tiny model on the CPU."""
     tiny = DecoderConfig(vocab=64, d_model=32, n_layers=2, n_heads=4, seq_len=16)
-    return CheckSettings(
+    return replace(
+        gpu_settings(rounds),
         device="cpu",
-        multi_backend="gloo",
         single_backend="gloo",
-        ranks=3,
         small=tiny,
-        small_batch=4,
-        steps=10,
-        verify_every=4,
-        fault_onset=5,
-        save_at=4,
-        dropout=0.1,
         tensor_bytes=8 * 2**20,
         repeats=3,
         big=tiny,
         big_batch=4,
-        rounds=rounds,
         ratio_budget_s=10.0,
     )

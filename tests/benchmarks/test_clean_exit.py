@@ -8,12 +8,13 @@ once its result has arrived), so an abort at interpreter exit shows as a non-zer
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+
+from replicheck.harness.launch import run_processes
 
 JOB = Path(__file__).with_name("exit_job.py")
 
@@ -21,28 +22,11 @@ JOB = Path(__file__).with_name("exit_job.py")
 def _job(world: int, scenario: str) -> list[tuple[int, str, str]]:
     # The test hosts the rendezvous store on a free port, as the harness does.
     store = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True, wait_for_workers=False)
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(JOB), str(r), str(world), str(store.port), scenario],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        for r in range(world)
-    ]
-    out = []
-    for p in procs:
-        try:
-            stdout, stderr = p.communicate(timeout=120)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-        out.append((p.returncode, stdout, stderr))
-    del store
-    return out
+    argvs = [[sys.executable, str(JOB), str(r), str(world), str(store.port), scenario] for r in range(world)]
+    try:
+        return run_processes(argvs, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    finally:
+        del store
 
 
 @pytest.mark.timeout(200)

@@ -3,48 +3,23 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from replicheck.harness.launch import run_processes
+
 JOB = Path(__file__).with_name("teardown_job.py")
 
 
 def _launch(tmp: Path, world: int) -> list[tuple[int, str, str]]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    port_file = tmp / "port"
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                str(JOB),
-                "--rank",
-                str(r),
-                "--world",
-                str(world),
-                "--port-file",
-                str(port_file),
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        for r in range(world)
-    ]
-    out = []
-    try:
-        for p in procs:
-            stdout, stderr = p.communicate(timeout=90)
-            out.append((p.returncode, stdout, stderr))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return out
+    argv = [sys.executable, str(JOB), "--world", str(world), "--port-file", str(tmp / "port")]
+    return run_processes(
+        [[*argv, "--rank", str(r)] for r in range(world)],
+        timeout=90,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
 
 
 @pytest.mark.timeout(420)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import sys
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +19,7 @@ from test_slurm_exactly_once import Run
 
 from replicheck.controller import Controller, ControllerConfig, State
 from replicheck.controller.backends.commands import CommandResult
-from replicheck.controller.backends.slurm import SlurmConfig
+from replicheck.controller.backends.slurm import SlurmBackend, SlurmConfig
 from replicheck.controller.backends.slurm_triage import reservation_name
 from replicheck.controller.errors import ConfigError, PermanentBackendError, TransientBackendError
 
@@ -168,8 +168,9 @@ class _Killed(BaseException):
     """Stands for a SIGKILL inside the call: nothing after it runs, no clean-up either."""
 
 
-def test_dismissal_after_an_interrupted_triage_releases_the_node(slurm: SlurmCluster) -> None:
-    """Uncordoning a node whose triage was cut off after the resume deletes its reservation and clears the note."""
+def _interrupted_triage(slurm: SlurmCluster) -> tuple[SlurmBackend, Callable[[], None]]:
+    """node2 drained, then a triage of it cut off (as by SIGKILL) right before its srun; the
+    backend, and what makes its srun work again."""
     slurm.scontrol("update", "nodename=node2", "state=drain", f"reason={REASON}")
     b, runner = backend(slurm, triage_command=SELFTEST)
     real_run = runner.run
@@ -182,6 +183,16 @@ def test_dismissal_after_an_interrupted_triage_releases_the_node(slurm: SlurmClu
     runner.run = run  # type: ignore[method-assign]
     with pytest.raises(_Killed):
         b.selftest("node2", KEY)
+
+    def restore() -> None:
+        runner.run = real_run  # type: ignore[method-assign]
+
+    return b, restore
+
+
+def test_dismissal_after_an_interrupted_triage_releases_the_node(slurm: SlurmCluster) -> None:
+    """Uncordoning a node whose triage was cut off after the resume deletes its reservation and clears the note."""
+    b, restore = _interrupted_triage(slurm)
     assert "No reservations" not in reservations(slurm) and "drain" not in slurm.node_states()["node2"][0]
     b.uncordon("node2", "replicheck", "t1-s10-replay:uncordon:node2")
     assert reservations(slurm) == "No reservations in the system"
@@ -191,24 +202,13 @@ def test_dismissal_after_an_interrupted_triage_releases_the_node(slurm: SlurmClu
 
 def test_second_triage_waits_for_an_interrupted_one_on_the_same_node(slurm: SlurmCluster) -> None:
     """Another incident's triage of a node still in an interrupted triage's reservation is a temporary error, not an overwrite."""
-    slurm.scontrol("update", "nodename=node2", "state=drain", f"reason={REASON}")
-    b, runner = backend(slurm, triage_command=SELFTEST)
-    real_run = runner.run
-
-    def run(argv: Sequence[str], **kw: Any) -> CommandResult:
-        if any(a.startswith("--reservation=") for a in argv):
-            raise _Killed
-        return real_run(argv, **kw)
-
-    runner.run = run  # type: ignore[method-assign]
-    with pytest.raises(_Killed):
-        b.selftest("node2", KEY)
+    b, restore = _interrupted_triage(slurm)
     note = b.node_extra("node2")
     other, _ = backend(slurm, triage_command=SELFTEST)
     with pytest.raises(TransientBackendError, match="another self-test"):
         other.selftest("node2", "t2-s10-replay:selftest:node2")
     assert b.node_extra("node2") == note
-    runner.run = real_run  # type: ignore[method-assign]
+    restore()
     assert b.selftest("node2", KEY)["passed"] is True  # the first one finishes on its next call
     assert slurm.node_states()["node2"] == ("drained", REASON)
 

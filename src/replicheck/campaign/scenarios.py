@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from replicheck.faults.errors import FaultConfigError
 from replicheck.faults.injector import Fault
@@ -144,6 +144,15 @@ def default_scenarios() -> list[Scenario]:
     fwd = Fault.at_forward(_FFN).persistent(from_step=23).bitflip(bit=22)
     wgrad = Fault.at_weight_gradient(_WGRAD).persistent(from_step=23).zero_chunk()
     noise = KernelNoise(module="norm", rel=1e-6, seed=1)
+    # Tolerant mode under bf16 autocast with noisy kernels, as the bf16 soak measured it.
+    bf16: dict[str, Any] = dict(
+        mode="tolerant",
+        loss="lm_bf16",
+        noise=noise,
+        tolerance_floor=BF16_FLOOR,
+        tolerance_ceiling=BF16_CEILING,
+        sketch_block=BF16_BLOCK,
+    )
     return [
         Scenario(
             name="aws-persistent-3n",
@@ -245,35 +254,20 @@ def default_scenarios() -> list[Scenario]:
             name="bf16-tolerant-clean",
             title="Clean run, tolerant mode, bf16 autocast, noisy kernels",
             expect="clean",
-            mode="tolerant",
-            loss="lm_bf16",
-            noise=noise,
-            tolerance_floor=BF16_FLOOR,
-            tolerance_ceiling=BF16_CEILING,
-            sketch_block=BF16_BLOCK,
+            **bf16,
             note=f"floor {BF16_FLOOR:g} above the measured bf16 rounding noise (docs/results/soak-bf16.md)",
         ),
         Scenario(
             name="bf16-wgrad-tolerant",
             title="Backward-only weight-gradient fault (32 values zeroed), bf16 tolerant",
             fault=wgrad,
-            mode="tolerant",
-            loss="lm_bf16",
-            noise=noise,
-            tolerance_floor=BF16_FLOOR,
-            tolerance_ceiling=BF16_CEILING,
-            sketch_block=BF16_BLOCK,
+            **bf16,
         ),
         Scenario(
             name="bf16-wgrad-x2",
             title="Backward-only fault x2 on 8 gradient values, bf16 tolerant, per-block sketch",
             fault=Fault.at_weight_gradient(_WGRAD).persistent(from_step=23).scale(2.0, count=8),
-            mode="tolerant",
-            loss="lm_bf16",
-            noise=noise,
-            tolerance_floor=BF16_FLOOR,
-            tolerance_ceiling=BF16_CEILING,
-            sketch_block=BF16_BLOCK,
+            **bf16,
             note="smallest of the measured factors caught at the first verification (docs/results/soak-bf16.md)",
         ),
         Scenario(
@@ -281,12 +275,7 @@ def default_scenarios() -> list[Scenario]:
             title="Backward-only fault x1.01 on 8 gradient values, bf16 tolerant, per-block sketch",
             fault=Fault.at_weight_gradient(_WGRAD).persistent(from_step=23).scale(1.01, count=8),
             expect="undetected",
-            mode="tolerant",
-            loss="lm_bf16",
-            noise=noise,
-            tolerance_floor=BF16_FLOOR,
-            tolerance_ceiling=BF16_CEILING,
-            sketch_block=BF16_BLOCK,
+            **bf16,
             note=(
                 "documented limit: a 1% change of a value is within the 1-2 bf16 ulps that kernel "
                 "noise moves gradient values by, so it is below the noise of any per-block "

@@ -11,9 +11,10 @@ from __future__ import annotations
 import io
 import multiprocessing as mp
 import queue
+import subprocess
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -132,3 +133,34 @@ def run_local(
         first = min(errors)
         raise LaunchError(f"rank {first} failed:\n{errors[first]}")
     return [results[r] for r in range(world)]
+
+
+def run_processes(
+    argvs: Sequence[Sequence[str]], *, timeout: float, env: Mapping[str, str] | None = None
+) -> list[tuple[int, str, str]]:
+    """Start one process per argv at once; each one's (exit status, stdout, stderr), in order.
+
+    For jobs whose own exit status matters (an abort at interpreter exit shows only there). All
+    are killed when one does not finish within ``timeout`` seconds (then ``TimeoutExpired``).
+    """
+    procs = [
+        subprocess.Popen(
+            list(argv),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=dict(env) if env is not None else None,
+        )
+        for argv in argvs
+    ]
+    out: list[tuple[int, str, str]] = []
+    try:
+        for p in procs:
+            stdout, stderr = p.communicate(timeout=timeout)
+            out.append((p.returncode, stdout, stderr))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return out
