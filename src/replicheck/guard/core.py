@@ -18,23 +18,23 @@ from torch.nn.parallel import DistributedDataParallel
 
 from replicheck import fingerprint as fp
 from replicheck.guard import replicas
-from replicheck.guard.attribution import Criterion, LocalView, PairOutcome, Replayer, resolve_replay
-from replicheck.guard.batch import batch_size, split, to_device
+from replicheck.guard.attribution import LocalView, Replayer
+from replicheck.guard.batch import batch_size, split
 from replicheck.guard.comm import Comm
 from replicheck.guard.config import GuardConfig, ProbeMode
 from replicheck.guard.context import running
-from replicheck.guard.determinism import determinism_error, prepare_cublas
+from replicheck.guard.determinism import prepare_cublas
 from replicheck.guard.errors import (
     BatchError,
     CorruptionDetected,
     GuardConfigError,
     GuardError,
     LossContractError,
-    PeerFailed,
 )
-from replicheck.guard.flags import FailureFlags
+from replicheck.guard.failure import StepFailure
 from replicheck.guard.health import GradHealth, ReducedHook
-from replicheck.guard.loss import LossFn, LossSum, unpack
+from replicheck.guard.judge import StepJudge
+from replicheck.guard.loss import LossFn, unpack
 from replicheck.guard.probe import (
     BackwardPass,
     Fingerprinter,
@@ -53,14 +53,12 @@ from replicheck.guard.support import (
     check_loss_fn,
     check_model,
     check_optimizer,
-    checked_loss,
     step_gate,
     unwrap_compiled,
 )
 from replicheck.guard.transfer import host_result
-from replicheck.guard.unwind import BucketCount, finish_reductions
-from replicheck.guard.verdict import Finding, calibration_noise, tolerance
-from replicheck.guard.wire import HostRow, ProbePayload, ProbeResult, StepRow
+from replicheck.guard.verdict import Finding
+from replicheck.guard.wire import ProbePayload, ProbeResult, StepRow
 from replicheck.incident import NodeIdentity
 
 log = logging.getLogger(__name__)
@@ -143,7 +141,6 @@ class Guard:
         self._ddp_model = model if isinstance(model, DistributedDataParallel) else None
         self._module: torch.nn.Module = self._ddp_model.module if self._ddp_model is not None else model
         check_model(self._ddp_model, self._module)
-        self._failure: BaseException | None = None
         self._comm = Comm(self._ddp_model.process_group if self._ddp_model is not None else None)
         named = self._checked_params()
         self._params = [p for _, p in named]
@@ -159,15 +156,20 @@ class Guard:
             self._module, loss_fn, self._params, self._fingerprinter, cfg.use_deterministic
         )
         self._health = GradHealth(self._comm.group, digest_reduced=cfg.check_reduced and self.world_size > 1)
-        self._buckets = BucketCount()
-        self._flags = FailureFlags(self._comm)
-        self._health.peer_failed = self._flags.any_failed
-        self._hooked = self._install_comm_hook()
+        self._judge = StepJudge(
+            cfg,
+            self._comm,
+            self._ring,
+            [n.name for n in self._nodes],
+            self._recompute,
+            self._device,
+            digest_reduced=self._health.digest_reduced,
+        )
+        self._fail = StepFailure(self._comm, optimizer, self._ddp_model)
+        self._health.peer_failed = self._fail.flags.any_failed
+        self._fail.hooked = self._install_comm_hook()
         if cfg.mode == "exact" and not cfg.use_deterministic:
             log.warning("exact mode without deterministic kernels: a replay may differ by kernel noise")
-        self._ddp_entries = 0
-        if self._ddp_model is not None:
-            self._ddp_model.register_forward_pre_hook(self._count_ddp_forward)
         self._gate = step_gate(optimizer)
         if self.world_size == 1:
             warnings.warn(
@@ -185,8 +187,6 @@ class Guard:
         )
         self.last_verified_step: int | None = cfg.resume_verified_step
         """The newest step whose verification passed (a resumed job may set it from its checkpoint)."""
-        self._noise = 0.0
-        self._calibrations = 0
         self._loss_sum: bool | None = None  # whether loss_fn returns a LossSum; None: not seen yet
         self._warned_split = False
         self._reporter = IncidentBuilder(
@@ -215,7 +215,7 @@ class Guard:
         if self._ddp_model is None:
             return False
         try:
-            self._ddp_model.register_comm_hook(None, self._buckets.wrap(self._health.comm_hook))
+            self._ddp_model.register_comm_hook(None, self._fail.buckets.wrap(self._health.comm_hook))
         except RuntimeError as exc:
             # Falling back would lose which rank produced a bad local gradient: refuse instead.
             raise GuardConfigError(
@@ -229,9 +229,6 @@ class Guard:
     def _weights_digest(self) -> torch.Tensor:
         """Every parameter (frozen ones too) and every buffer replicas share (on the device)."""
         return fp.model_digest_tensor(self._module, "replicated", per_rank=self._config.per_rank_buffers)
-
-    def _count_ddp_forward(self, module: torch.nn.Module, args: object) -> None:
-        self._ddp_entries += 1
 
     # -- public -----------------------------------------------------------------------------
     @property
@@ -297,8 +294,7 @@ class Guard:
             self._rebuild_buckets(microbatches[0])
         self._optimizer.zero_grad(set_to_none=True)
         self._health.reset()
-        self._flags.reset()
-        self._failure = None
+        self._fail.reset()
 
         own = (
             self._own_probe(s, microbatches[0], sizes[0], sum(sizes), more=len(sizes) > 1) if verify else None
@@ -307,8 +303,10 @@ class Guard:
         row, view = self._local_row(s, done, own, check_replicas)
         # The step's one device→host transfer: every rank's row, after the all-gather.
         rows = StepRow.decode(self._comm.gather_rows(row.encode(self._device)))
-        self._stop_on_failure(s, [r.failed for r in rows])
-        findings = self._evaluate(s, rows, check_replicas, view, done.passes)
+        self._fail.stop(s, [r.failed for r in rows])
+        findings = self._judge.evaluate(
+            s, rows, check_replicas=check_replicas, view=view, passes=done.passes, replayer=self._replayer
+        )
         if findings:
             self._raise(s, findings)
         self._gate.open = True
@@ -363,7 +361,7 @@ class Guard:
         for i, mb in enumerate(mbs):
             last = i == len(mbs) - 1
             with self._no_sync(last), running(s, "train"):
-                got = self._forward(s, functools.partial(self._loss_fn, self._model, mb), "training pass")
+                got = self._fail.forward(functools.partial(self._loss_fn, self._model, mb), "training pass")
                 if got is None:
                     continue  # this rank failed: no backward (its peers learn it before theirs syncs)
                 loss, count = got
@@ -375,35 +373,22 @@ class Guard:
                         items = sum(c or 0.0 for _, _, c in parts) + count
                         scale = w = 1.0 / items if items > 0 else 1.0
                         self._scale_grads(scale)
-                self._run_backward(loss * w, synced=last)
+                self._fail.backward(loss * w, synced=last)
             parts.append((w, loss.detach(), count))
             passes.append(BackwardPass(batch=mb, weight=w, seed=None))
-        # Every rank has posted one flag per forward; a failure anywhere ends the step here.
-        self._stop_on_failure(s, self._flags.collect())
+        self._fail.stop_after_passes(s)
         if self._loss_sum:
             passes = [dataclasses.replace(p, weight=scale) for p in passes]
             step_loss = _total(part.double() for _, part, _ in parts) * scale
         else:
             step_loss = _total(w * part.double() for w, part, _ in parts)
-        if not self._hooked:
+        if not self._fail.hooked:
             grads = [p.grad for p in self._params if p.grad is not None]
             self._health.observe_local(grads)
             self._health.observe_reduced(grads)
-        if self._health.errors and self._failure is None:
-            self._failure = self._health.errors[0]
+        if self._health.errors:
+            self._fail.note(self._health.errors[0])
         return _Backward(loss=step_loss, passes=passes)
-
-    def _run_backward(self, loss: torch.Tensor, synced: bool) -> None:
-        """A training or split-probe backward. Its error (a tensor hook) is this rank's failure, reported
-        at the step's next collective; on the synchronising pass the all-reduces DDP never
-        launched are completed with zeros first, so no rank waits in them."""
-        self._buckets.launched = 0
-        try:
-            _backward(loss)
-        except Exception as exc:  # noqa: BLE001 - re-raised on this rank by _stop_on_failure
-            self._failure = determinism_error(exc) or exc
-            if synced and self._ddp_model is not None and self._hooked:
-                finish_reductions(self._ddp_model, self._buckets.launched)
 
     def _note_loss_kind(self, count: float | None) -> None:
         kind = count is not None
@@ -420,69 +405,6 @@ class Guard:
                 if p.grad is not None:
                     p.grad.mul_(scale)
 
-    # -- errors on one rank stop every rank in the step's next collective ----------------------
-    def _forward(
-        self, s: int, run: Callable[[], object], where: str
-    ) -> tuple[torch.Tensor, float | None] | None:
-        """One forward pass; ``None`` when this rank has failed in the step (here or before).
-
-        The flag is posted after each forward without waiting (:mod:`replicheck.guard.flags`):
-        a failed rank runs no backward, the healthy ones learn it in the comm hook before their
-        first all-reduce and skip the step's all-reduces, and after the passes the failed rank
-        re-raises its error and the others raise :class:`PeerFailed`; none waits in a gradient
-        all-reduce until the process group's timeout.
-        """
-        loss: torch.Tensor | None = None
-        count: float | None = None
-        entered = self._ddp_entries
-        if self._failure is None:
-            try:
-                out = run()
-                loss, count = unpack(out) if isinstance(out, LossSum) else (checked_loss(out, where), None)
-            except Exception as exc:  # noqa: BLE001 - re-raised on this rank by _stop_on_failure
-                # A probe forward runs with deterministic kernels: name an op that has none.
-                self._failure = determinism_error(exc) or exc
-        if self._failure is not None and self._ddp_entries == entered:
-            self._ddp_collectives_of_forward()
-        self._flags.post(self._failure is not None)
-        if self._failure is not None or loss is None:
-            return None
-        return loss, count
-
-    def _ddp_collectives_of_forward(self) -> None:
-        """The loss function failed before it called the DDP model: take part in the collectives
-        DDP runs at the start of its forward (buffer broadcast, bucket rebuild) as the other ranks
-        do, so they reach the failure flag instead of waiting in those collectives."""
-        ddp = self._ddp_model
-        if ddp is not None:
-            with contextlib.suppress(Exception):
-                ddp._pre_forward()  # type: ignore[no-untyped-call]  # private, untyped in torch
-                if ddp._check_sync_bufs_post_fwd():  # type: ignore[no-untyped-call]
-                    ddp._sync_buffers()  # type: ignore[no-untyped-call]
-            # What DDP's post-forward records: whether the next forward broadcasts buffers. Without
-            # it, a failed no_sync pass followed by a synced one broadcasts where peers do not.
-            ddp.require_forward_param_sync = torch.is_grad_enabled() and ddp.require_backward_grad_sync
-
-    def _attempt(self, run: Callable[[], ProbeResult]) -> ProbeResult | None:
-        """Run a computation whose error is reported in the step's all-gather row, not raised here."""
-        if self._failure is not None:
-            return None
-        try:
-            return run()
-        except Exception as exc:  # noqa: BLE001 - re-raised on this rank by _stop_on_failure
-            self._failure = determinism_error(exc) or exc
-            return None
-
-    def _stop_on_failure(self, s: int, failed: Sequence[bool]) -> None:
-        ranks = tuple(r for r, f in enumerate(failed) if f)
-        if not ranks:
-            return
-        self._optimizer.zero_grad(set_to_none=True)
-        mine, self._failure = self._failure, None
-        if mine is not None:
-            raise mine
-        raise PeerFailed(s, ranks)
-
     def _local_row(
         self, s: int, done: _Backward, own: _OwnProbe | None, check_replicas: bool
     ) -> tuple[StepRow[Any, Any], LocalView | None]:
@@ -498,7 +420,7 @@ class Guard:
             view, distance, noise = self._verify_pair(s, own.payload)
             row = dataclasses.replace(row, verified=True, pair_distance=distance, noise=noise)
         # Read after the replay: an error there is this rank's failure too.
-        return dataclasses.replace(row, failed=self._failure is not None), view
+        return dataclasses.replace(row, failed=self._fail.failed), view
 
     # -- the verification pass --------------------------------------------------------------
     def _probe_mode(self) -> ProbeMode:
@@ -532,12 +454,12 @@ class Guard:
                 seeded(seed, self._params[0].device),
                 deterministic(cfg.use_deterministic),
             ):
-                got = self._forward(s, lambda: self._loss_fn(self._model, probe_batch), "probe")
+                got = self._fail.forward(lambda: self._loss_fn(self._model, probe_batch), "probe")
                 if got is not None:
                     loss, count = got
                     self._note_loss_kind(count)
                     weight = 1.0 if count is not None else weight
-                    self._run_backward(loss * weight, synced=False)
+                    self._fail.backward(loss * weight, synced=False)
             if got is None:
                 # This rank failed: keep the step's shape (the same passes, so the same flags
                 # as its peers) until every rank stops after the passes.
@@ -550,7 +472,7 @@ class Guard:
             )
         else:
             # An error here stops every rank at the first training pass's forward.
-            computed = self._attempt(
+            computed = self._fail.attempt(
                 lambda: self._recompute.probe(probe_batch, weight=weight, seed=seed, step=s, pass_="probe")
             )
             result = computed if computed is not None else ProbeResult(math.nan, torch.zeros(0))
@@ -566,97 +488,20 @@ class Guard:
         """Send our probe to our verifier, replay our source's probe; return the comparison."""
         verifier, source = self._ring.verifier_of(self.rank), self._ring.source_of(self.rank)
         received = ProbePayload.decode(self._comm.exchange([(verifier, own.encode())], [source])[source])
-        replayed = self._attempt(lambda: self._recompute.payload(received, s))
+        replayed = self._fail.attempt(lambda: self._recompute.payload(received, s))
         mode = self._config.mode
         if replayed is None:  # the error rides in the step's row and stops every rank
             return LocalView(own=own, received=received, replayed=received.result), 0.0, 0.0
         distance = compare(received.result, replayed, mode, math.inf).distance
         noise = 0.0
-        if mode == "tolerant" and self._calibrations < self._config.calibration_verifications:
+        if mode == "tolerant" and self._judge.calibrating:
             # Two fresh replays of our own probe, not the probe itself: a fault in the probe
             # (the very thing under test) must not enter the noise it is judged against.
-            first = self._attempt(lambda: self._recompute.payload(own, s))
-            second = self._attempt(lambda: self._recompute.payload(own, s))
+            first = self._fail.attempt(lambda: self._recompute.payload(own, s))
+            second = self._fail.attempt(lambda: self._recompute.payload(own, s))
             if first is not None and second is not None:
                 noise = compare(first, second, mode, math.inf).distance
         return LocalView(own=own, received=received, replayed=replayed), distance, noise
-
-    # -- verdict ------------------------------------------------------------------------------
-    def _evaluate(
-        self,
-        s: int,
-        rows: Sequence[HostRow],
-        check_replicas: bool,
-        view: LocalView | None,
-        passes: Sequence[BackwardPass],
-    ) -> list[Finding]:
-        bound = self._config.grad_norm_bound
-        findings: list[Finding] = []
-        norms = [r.local_norm for r in rows]
-        bad = [r for r, n in enumerate(norms) if not replicas.healthy(n, bound)]
-        if bad:
-            findings.append(
-                replicas.gradient_finding(
-                    self._comm,
-                    bad,
-                    norms,
-                    bound,
-                    lambda: self._recompute.gradient_norm(passes, s),
-                    nodes=[n.name for n in self._nodes],
-                    work=[(p.batch, p.weight, p.seed) for p in passes],
-                    rerun_elsewhere=lambda w: self._recompute.gradient_norm(_passes(w, self._device), s),
-                )
-            )
-        if self._health.digest_reduced:
-            f = replicas.vote_finding("reduced_gradients", [r.reduced for r in rows])
-            if f is not None:
-                findings.append(f)
-        if check_replicas:
-            findings.extend(replicas.findings([r.weights for r in rows], [r.optimizer for r in rows]))
-        if view is not None:
-            f = self._replay_finding(s, rows, view)
-            if f is not None:
-                findings.append(f)
-        return findings
-
-    def _threshold(self, rows: Sequence[HostRow]) -> float:
-        """Tolerant mode: the threshold, after folding this step's noise into the calibration."""
-        cfg = self._config
-        if cfg.mode != "tolerant":
-            return 0.0
-        if self._calibrations < cfg.calibration_verifications:
-            self._noise = max(self._noise, calibration_noise([r.noise for r in rows]))
-            self._calibrations += 1
-        return tolerance(
-            self._noise, margin=cfg.tolerance_margin, floor=cfg.tolerance_floor, ceiling=cfg.tolerance_ceiling
-        )
-
-    def _replay_finding(self, s: int, rows: Sequence[HostRow], view: LocalView) -> Finding | None:
-        criterion = Criterion(mode=self._config.mode, threshold=self._threshold(rows))
-        pairs = []
-        for ver in range(self.world_size):
-            src = self._ring.source_of(ver)
-            d = rows[ver].pair_distance
-            pairs.append(
-                PairOutcome(
-                    source=src,
-                    verifier=ver,
-                    source_node=self._nodes[src].name,
-                    verifier_node=self._nodes[ver].name,
-                    distance=d,
-                    agree=criterion.accepts(d),
-                )
-            )
-        if all(p.agree for p in pairs):
-            return None
-        return resolve_replay(
-            comm=self._comm,
-            ring=self._ring,
-            pairs=pairs,
-            view=view,
-            replay=self._replayer(s),
-            criterion=criterion,
-        )
 
     def _raise(self, s: int, findings: list[Finding]) -> NoReturn:
         self._optimizer.zero_grad(set_to_none=True)
@@ -682,13 +527,6 @@ class Guard:
             _backward(loss)
         self._optimizer.zero_grad(set_to_none=True)
         self._health.reset()
-
-
-def _passes(work: object, device: torch.device) -> list[BackwardPass]:
-    """Another rank's passes of a step, as :func:`replicas.gradient_finding` sends them."""
-    if not isinstance(work, list):
-        raise GuardError(f"a peer sent {type(work).__name__} instead of its passes")
-    return [BackwardPass(batch=to_device(b, device), weight=float(w), seed=seed) for b, w, seed in work]
 
 
 def _total(parts: Iterable[torch.Tensor]) -> torch.Tensor:
