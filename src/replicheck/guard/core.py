@@ -17,7 +17,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from replicheck import fingerprint as fp
-from replicheck.guard import replicas
+from replicheck.guard import replicas, scaling
 from replicheck.guard.attribution import LocalView, Replayer
 from replicheck.guard.batch import batch_size, split
 from replicheck.guard.comm import Comm
@@ -58,7 +58,7 @@ from replicheck.guard.support import (
 )
 from replicheck.guard.transfer import host_result
 from replicheck.guard.verdict import Finding
-from replicheck.guard.wire import ProbePayload, ProbeResult, StepRow
+from replicheck.guard.wire import HostRow, ProbePayload, ProbeResult, StepRow
 from replicheck.incident import NodeIdentity
 
 log = logging.getLogger(__name__)
@@ -66,7 +66,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class StepResult:
-    """What :meth:`Guard.step` returns for a step whose update was applied."""
+    """What :meth:`Guard.step` returns for a step that ended without an incident."""
 
     loss: float
     """This rank's loss for the step, normalised as ``loss_fn`` says (a ``LossSum``: total over
@@ -77,6 +77,9 @@ class StepResult:
     """True when this step ran the ring replay (and it passed)."""
     replicas_checked: bool = False
     """True when weights and optimizer state were compared across replicas on this step."""
+    skipped: bool = False
+    """True when the loss scaler overflowed and the step was skipped on every rank, as the scaler
+    does: no update applied, the scale lowered (only with ``scaler=``)."""
 
 
 @dataclass(frozen=True)
@@ -118,7 +121,9 @@ class Guard:
 
     ``loss_fn(module, batch)`` returns the scalar loss (its kind declared by
     ``GuardConfig.loss_reduction``) or a :class:`~replicheck.guard.LossSum`; it is called with
-    the DDP wrapper for training passes and with the bare module for replays. With world size 1 a
+    the DDP wrapper for training passes and with the bare module for replays. ``scaler`` (fp16
+    training) is the job's ``torch.amp.GradScaler``: the guard scales each backward with it and
+    steps through it (:mod:`replicheck.guard.scaling`). With world size 1 a
     verification re-executes the probe on the same device, which catches transient faults only.
     """
 
@@ -129,6 +134,8 @@ class Guard:
         loss_fn: LossFn,
         config: GuardConfig | None = None,
         node: str | NodeIdentity | None = None,
+        *,
+        scaler: torch.amp.GradScaler | None = None,
     ) -> None:
         cfg = config if config is not None else GuardConfig()
         if not isinstance(cfg, GuardConfig):
@@ -138,6 +145,7 @@ class Guard:
         check_loss_fn(loss_fn)
         check_optimizer(optimizer)
         self._model, self._optimizer, self._loss_fn = model, optimizer, loss_fn
+        self._scaler = scaling.checked_scaler(scaler)
         self._ddp_model = model if isinstance(model, DistributedDataParallel) else None
         self._module: torch.nn.Module = self._ddp_model.module if self._ddp_model is not None else model
         check_model(self._ddp_model, self._module)
@@ -164,6 +172,7 @@ class Guard:
             self._recompute,
             self._device,
             digest_reduced=self._health.digest_reduced,
+            loss_scale=self._scaler.get_scale if self._scaler is not None else None,
         )
         self._fail = StepFailure(self._comm, optimizer, self._ddp_model)
         self._health.peer_failed = self._fail.flags.any_failed
@@ -274,7 +283,7 @@ class Guard:
             local_norm=0.0,
             reduced=0,
             weights=self._weights_digest(),
-            optimizer=fp.optimizer_digest_tensor(self._optimizer),
+            optimizer=self._optimizer_digest(),
         )
         rows = StepRow.decode(self._comm.gather_rows(row.encode(self._device)))
         findings = replicas.findings([int(r.weights) for r in rows], [int(r.optimizer) for r in rows])
@@ -307,12 +316,18 @@ class Guard:
         findings = self._judge.evaluate(
             s, rows, check_replicas=check_replicas, view=view, passes=done.passes, replayer=self._replayer
         )
+        if findings and self._scaler is not None and scaling.is_overflow(findings, self.world_size):
+            return self._skip_overflow(s, rows, check_replicas)
         if findings:
             self._raise(s, findings)
         self._gate.open = True
         try:
             with running(s, "optimizer"):
-                self._optimizer.step()
+                if self._scaler is not None:
+                    self._scaler.step(self._optimizer)
+                    self._scaler.update()
+                else:
+                    self._optimizer.step()
         finally:
             self._gate.open = False
         if verify:
@@ -324,6 +339,34 @@ class Guard:
         return StepResult(
             loss=float(rows[self.rank].loss), step=s, verified=verify, replicas_checked=check_replicas
         )
+
+    def _skip_overflow(self, s: int, rows: Sequence[HostRow], check_replicas: bool) -> StepResult:
+        """Every rank skips step ``s`` as the loss scaler does (:mod:`replicheck.guard.scaling`)."""
+        scaler = self._scaler
+        if scaler is None:
+            raise GuardError("internal: an overflow skip without a scaler")
+        if not scaling.skip(scaler, self._optimizer):
+            log.warning("step %d: the scaler saw no overflow in the reduced gradient; step skipped anyway", s)
+        log.info("step %d: loss-scale overflow reproduced, skipped on every rank (scale lowered)", s)
+        self._next_step = s + 1
+        return StepResult(
+            loss=float(rows[self.rank].loss),
+            step=s,
+            verified=False,
+            replicas_checked=check_replicas,
+            skipped=True,
+        )
+
+    def _scaled(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss the backward runs on: scaled by the job's loss scaler, when there is one."""
+        return self._scaler.scale(loss) if self._scaler is not None else loss
+
+    def _optimizer_digest(self) -> torch.Tensor:
+        """The optimizer state's digest, with the loss scaler's state when there is one."""
+        digest = fp.optimizer_digest_tensor(self._optimizer)
+        if self._scaler is None:
+            return digest
+        return fp.combine(torch.stack([digest, scaling.state_digest(self._scaler).to(digest.device)]))
 
     # -- the step's phases ------------------------------------------------------------------
     def _no_sync(self, sync: bool) -> AbstractContextManager[Any]:
@@ -373,7 +416,7 @@ class Guard:
                         items = sum(c or 0.0 for _, _, c in parts) + count
                         scale = w = 1.0 / items if items > 0 else 1.0
                         self._scale_grads(scale)
-                self._fail.backward(loss * w, synced=last)
+                self._fail.backward(self._scaled(loss * w), synced=last)
             parts.append((w, loss.detach(), count))
             passes.append(BackwardPass(batch=mb, weight=w, seed=None))
         self._fail.stop_after_passes(s)
@@ -412,8 +455,10 @@ class Guard:
         # Device tensors throughout: the row reaches the host once, after the all-gather.
         loss = done.loss
         local_norm, reduced = self._health.local_norm(), self._health.reduced_digest()
+        if self._scaler is not None and isinstance(local_norm, torch.Tensor):
+            local_norm = local_norm / scaling.scale_tensor(self._scaler, local_norm.device)  # unscaled
         weights: torch.Tensor | int = self._weights_digest() if check_replicas else 0
-        opt: torch.Tensor | int = fp.optimizer_digest_tensor(self._optimizer) if check_replicas else 0
+        opt: torch.Tensor | int = self._optimizer_digest() if check_replicas else 0
         row = StepRow(loss=loss, local_norm=local_norm, reduced=reduced, weights=weights, optimizer=opt)
         view: LocalView | None = None
         if own is not None:
@@ -446,6 +491,8 @@ class Guard:
         probe_batch, rest = split(first, p)
         seed = probe_seed(cfg.seed, s, self.rank)
         weight = 1.0 if self._loss_sum or cfg.loss_reduction == "sum" else p / total
+        # Replays multiply by the loss scale as a number (a power of two: exact), read once here.
+        loss_scale = self._scaler.get_scale() if self._scaler is not None else 1.0
         split_probe = None
         if self._probe_mode() == "split" and (size > p or more):
             with (
@@ -459,7 +506,7 @@ class Guard:
                     loss, count = got
                     self._note_loss_kind(count)
                     weight = 1.0 if count is not None else weight
-                    self._fail.backward(loss * weight, synced=False)
+                    self._fail.backward(loss * (weight * loss_scale), synced=False)
             if got is None:
                 # This rank failed: keep the step's shape (the same passes, so the same flags
                 # as its peers) until every rank stops after the passes.
@@ -473,11 +520,19 @@ class Guard:
         else:
             # An error here stops every rank at the first training pass's forward.
             computed = self._fail.attempt(
-                lambda: self._recompute.probe(probe_batch, weight=weight, seed=seed, step=s, pass_="probe")
+                lambda: self._recompute.probe(
+                    probe_batch, weight=weight * loss_scale, seed=seed, step=s, pass_="probe"
+                )
             )
             result = computed if computed is not None else ProbeResult(math.nan, torch.zeros(0))
         payload = ProbePayload(
-            step=s, source=self.rank, batch=probe_batch, weight=weight, seed=seed, size=p, result=result
+            step=s,
+            source=self.rank,
+            batch=probe_batch,
+            weight=weight * loss_scale,
+            seed=seed,
+            size=p,
+            result=result,
         )
         return _OwnProbe(payload=payload, split=split_probe)
 

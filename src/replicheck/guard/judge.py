@@ -6,6 +6,7 @@ the same follow-up collectives (arbitration, gradient re-runs) or none.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 
 import torch
@@ -35,11 +36,13 @@ class StepJudge:
         device: torch.device,
         *,
         digest_reduced: bool,
+        loss_scale: Callable[[], float] | None = None,
     ) -> None:
         self._config, self._comm, self._ring = config, comm, ring
         self._nodes = list(nodes)
         self._recompute, self._device = recompute, device
         self._digest_reduced = digest_reduced
+        self._loss_scale = loss_scale
         self._noise = 0.0
         self._calibrations = 0
 
@@ -64,16 +67,22 @@ class StepJudge:
         norms = [r.local_norm for r in rows]
         bad = [r for r, n in enumerate(norms) if not replicas.healthy(n, bound)]
         if bad:
+            # With a loss scaler the passes ran scaled: re-runs do too, and report unscaled norms
+            # (as the rows do), so the bound means the same in both.
+            scale = self._loss_scale() if self._loss_scale is not None else 1.0
+            scaled = [dataclasses.replace(p, weight=p.weight * scale) for p in passes]
             findings.append(
                 replicas.gradient_finding(
                     self._comm,
                     bad,
                     norms,
                     bound,
-                    lambda: self._recompute.gradient_norm(passes, s),
+                    lambda: self._recompute.gradient_norm(scaled, s) / scale,
                     nodes=self._nodes,
-                    work=[(p.batch, p.weight, p.seed) for p in passes],
-                    rerun_elsewhere=lambda w: self._recompute.gradient_norm(_passes(w, self._device), s),
+                    work=[(p.batch, p.weight, p.seed) for p in scaled],
+                    rerun_elsewhere=lambda w: (
+                        self._recompute.gradient_norm(_passes(w, self._device), s) / scale
+                    ),
                 )
             )
         if self._digest_reduced:
