@@ -129,6 +129,12 @@ def _sketch_rows(t: torch.Tensor | None, index: int, seed: int, k: int, block: i
     return torch.cat([meta, body_rows], dim=1)
 
 
+def sketch_rows(t: torch.Tensor, *, index: int, seed: int, k: int, block: int = SKETCH_BLOCK) -> torch.Tensor:
+    """The rows :func:`sketches` gives ``t`` at position ``index`` of its list, left on ``t``'s
+    device (one tensor at a time, as a sharded model's gradients appear)."""
+    return _sketch_rows(t, index, seed * 1_000_003 + index, k, _check_block(block))
+
+
 def sketch(t: torch.Tensor | None, *, seed: int, k: int = 4, block: int = SKETCH_BLOCK) -> torch.Tensor:
     """Per-block sketch of ``t``: a float64 ``(blocks, k + 3)`` tensor on CPU.
 

@@ -18,6 +18,29 @@ def _bare(model: torch.nn.Module) -> torch.nn.Module:
     return getattr(model, "module", model)
 
 
+def _on_grad(owner: torch.nn.Module, leaf: str, hook: Any) -> None:
+    """``hook`` on the gradient of ``owner.<leaf>``. Under FSDP2 the stored parameter is a shard
+    and backward differentiates the whole one the owner holds during its forward: hook that."""
+    param = getattr(owner, leaf)
+    if not hasattr(param, "device_mesh"):
+        param.register_hook(hook)
+        return
+    seen: set[int] = set()
+
+    def pre(mod: Any, inp: Any) -> None:
+        whole = getattr(owner, leaf)
+        if id(whole) not in seen:
+            seen.add(id(whole))
+            whole.register_hook(hook)
+
+    owner.register_forward_pre_hook(pre)
+
+
+def _stored(t: torch.Tensor) -> torch.Tensor:
+    """The values this rank stores of ``t`` (its shard of a sharded parameter)."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def forward_fault(
     ctx: RankContext,
     model: Any,
@@ -51,12 +74,11 @@ def grad_fault(
     """Scale one weight's gradient on ``rank`` from step ``onset``; the forward is untouched."""
     if ctx.rank != rank:
         return
-    weight = _bare(model).blocks[0].attn.qkv.weight
 
     def hook(g: torch.Tensor) -> torch.Tensor | None:
         return g * factor if current_step() >= onset else None
 
-    weight.register_hook(hook)
+    _on_grad(_bare(model).blocks[0].attn.qkv, "weight", hook)
 
 
 def nan_grad(ctx: RankContext, model: Any, opt: Any, guard: Guard, *, rank: int, at: int) -> None:
@@ -71,7 +93,7 @@ def nan_grad(ctx: RankContext, model: Any, opt: Any, guard: Guard, *, rank: int,
         g.view(-1)[0] = float("nan")
         return g
 
-    _bare(model).head.weight.register_hook(hook)
+    _on_grad(_bare(model).head, "weight", hook)
 
 
 def activation_noise(ctx: RankContext, model: Any, opt: Any, guard: Guard, *, rel: float) -> None:
@@ -102,7 +124,7 @@ def optimizer_fault(
     def post(optimizer: Any, args: Any, kwargs: Any) -> None:
         if current_step() == at:
             with torch.no_grad():
-                weight.view(-1)[3] += 0.01
+                _stored(weight).view(-1)[3] += 0.01
 
     opt.register_step_post_hook(post)
 

@@ -113,6 +113,8 @@ def resolve(scenario: Scenario, defaults: JobDefaults) -> Job:
         loss=scenario.loss,
         seed=defaults.seed,
         setup=setup,
+        parallel=scenario.parallel,
+        replicas=nodes,
     )
     return Job(
         scenario=scenario,

@@ -14,7 +14,7 @@ from typing import Any, Literal
 from replicheck.faults.errors import FaultConfigError
 from replicheck.faults.injector import Fault
 from replicheck.faults.noise import KernelNoise
-from replicheck.harness.jobs import JobLoss
+from replicheck.harness.jobs import JobLoss, Parallel
 from replicheck.harness.workloads import DecoderConfig
 
 Expect = Literal["detect", "undetected", "clean", "data", "refused"]
@@ -120,6 +120,9 @@ class Scenario:
     """Build this refused setup instead of training (``expect="refused"``)."""
     refusal: str = ""
     """Text the refusal message must contain (``expect="refused"``)."""
+    parallel: Parallel = "ddp"
+    """``ddp``, ``fsdp`` (FSDP2 over every rank) or ``hsdp`` (one replica group per node, sharded
+    over the node's ranks)."""
     note: str = ""
     """What the row shows, or why it is expected to be missed."""
     reference: str = ""
@@ -330,6 +333,8 @@ def default_scenarios() -> list[Scenario]:
             refusal="static_graph",
             note="refused at construction on every rank, with what to use instead",
         ),
+        *sharded_scenarios(fwd, wgrad),
+        *fp16_scenarios(),
         Scenario(name="clean", title="Clean run", expect="clean"),
         Scenario(
             name="clean-tolerant",
@@ -337,6 +342,82 @@ def default_scenarios() -> list[Scenario]:
             expect="clean",
             mode="tolerant",
             noise=noise,
+        ),
+    ]
+
+
+def sharded_scenarios(fwd: Fault, wgrad: Fault) -> list[Scenario]:
+    """Rows on FSDP2 (3 nodes × 1 rank) and HSDP (3 nodes × 2 ranks: a replica group per node)."""
+    fsdp: dict[str, Any] = dict(parallel="fsdp", nodes=3, gpus_per_node=1)
+    hsdp: dict[str, Any] = dict(parallel="hsdp", nodes=3, gpus_per_node=2)
+    update = Fault.at_optimizer_update("blocks.1.attn.qkv.weight").persistent(from_step=23).bitflip(bit=22)
+    return [
+        Scenario(
+            name="fsdp-forward", title="FSDP2: persistent forward fault from step 23", fault=fwd, **fsdp
+        ),
+        Scenario(
+            name="fsdp-wgrad",
+            title="FSDP2: backward-only weight-gradient fault, exact mode",
+            fault=wgrad,
+            note="fingerprints of each layer group's local gradient, taken in the reduce-scatter",
+            **fsdp,
+        ),
+        Scenario(
+            name="fsdp-nan",
+            title="FSDP2: NaN in a forward activation from step 23",
+            fault=Fault.at_forward(_FFN).persistent(from_step=23).nan(),
+            note="each rank's gradient checked before the reduce-scatter",
+            **fsdp,
+        ),
+        Scenario(
+            name="fsdp-optimizer-update",
+            title="FSDP2: optimizer update of one shard corrupted from step 23",
+            fault=update,
+            expect="undetected",
+            note=(
+                "documented limit: under plain FSDP2 no other rank holds that shard, so no "
+                "comparison can see a wrong update of it (HSDP rows below do)"
+            ),
+            **fsdp,
+        ),
+        Scenario(name="fsdp-clean", title="FSDP2: clean run", expect="clean", **fsdp),
+        Scenario(
+            name="hsdp-forward", title="HSDP 3×2: persistent forward fault from step 23", fault=fwd, **hsdp
+        ),
+        Scenario(
+            name="hsdp-optimizer-update",
+            title="HSDP 3×2: optimizer update of one shard corrupted from step 23",
+            fault=update,
+            note="shards compared across the 3 replica groups: a majority names the rank",
+            **hsdp,
+        ),
+        Scenario(
+            name="hsdp-reduced-gradient",
+            title="HSDP 3×2: reduced gradient shard corrupted, one-shot at step 23",
+            fault=Fault.at_reduced_gradient().transient(step=23).bitflip(bit=22),
+            note="per-step check of every reduced shard across replica groups",
+            **hsdp,
+        ),
+        Scenario(name="hsdp-clean", title="HSDP 3×2: clean run", expect="clean", **hsdp),
+    ]
+
+
+def fp16_scenarios() -> list[Scenario]:
+    """Rows on fp16 autocast with a dynamic loss scaler (DDP)."""
+    return [
+        Scenario(
+            name="fp16-scaler-clean",
+            title="fp16 autocast + GradScaler: clean run (overflow steps skipped)",
+            expect="clean",
+            loss="lm_fp16",
+            note="overflows every rank reproduces are skipped as the scaler skips them, no incident",
+        ),
+        Scenario(
+            name="fp16-scaler-inf",
+            title="fp16 + GradScaler: inf in one rank's weight gradient from step 23",
+            fault=Fault.at_weight_gradient(_WGRAD).persistent(from_step=23).inf(),
+            loss="lm_fp16",
+            note="an overflow another rank cannot reproduce is corruption, named",
         ),
     ]
 

@@ -171,7 +171,24 @@ class WeightGradient(_ParamSite):
             sink.offer(out, f"{self.param}.grad")
             return out
 
-        return [p.register_hook(hook).remove]
+        if not _is_sharded(p):
+            return [p.register_hook(hook).remove]
+        # FSDP2: the backward computes the gradient of the whole (all-gathered) parameter the
+        # owning module holds during its forward; hook that one, once per tensor FSDP makes.
+        owner_name, _, leaf = self.param.rpartition(".")
+        owner = _module(targets.model, owner_name) if owner_name else targets.model
+        hooked: dict[int, Remover] = {}
+
+        def pre(_m: torch.nn.Module, _inp: Any) -> None:
+            whole = getattr(owner, leaf)
+            if isinstance(whole, torch.Tensor) and whole.requires_grad and id(whole) not in hooked:
+                hooked[id(whole)] = whole.register_hook(hook).remove
+
+        def remove_all() -> None:
+            for r in hooked.values():
+                r()
+
+        return [owner.register_forward_pre_hook(pre).remove, remove_all]
 
     def describe(self) -> str:
         return f"weight gradient of {self.param}"
@@ -188,20 +205,21 @@ class OptimizerUpdate(_ParamSite):
         saved: list[torch.Tensor] = []
 
         def pre(_opt: Any, _args: Any, _kwargs: Any) -> None:
-            saved[:] = [p.detach().clone()]
+            saved[:] = [_held(p).clone()]
 
         def post(_opt: Any, _args: Any, _kwargs: Any) -> None:
             if not saved:
                 return
             before = saved.pop()
+            held = _held(p)  # this rank's shard of a sharded parameter
             with torch.no_grad():
-                delta = (p.detach() - before).reshape(-1)
+                delta = (held - before).reshape(-1)
                 original = delta.clone()
                 sink.offer(delta, f"{self.param}.update", pass_="optimizer")
                 changed = (delta != original) | (delta.isnan() != original.isnan())
                 if bool(changed.any()):
                     idx = changed.nonzero().flatten()
-                    p.detach().view(-1)[idx] = before.view(-1)[idx] + delta[idx]
+                    held.view(-1)[idx] = before.view(-1)[idx] + delta[idx]
 
         handles = [
             targets.optimizer.register_step_pre_hook(pre),
@@ -226,7 +244,7 @@ class WeightsAtRest(_ParamSite):
             if step < 0 or step in seen:
                 return
             seen.add(step)
-            sink.offer(p.data, self.param, step=step, pass_="idle")
+            sink.offer(_held(p), self.param, step=step, pass_="idle")
 
         return [targets.model.register_forward_pre_hook(pre).remove]
 
@@ -257,6 +275,16 @@ class ReducedGradient:
 
     def describe(self) -> str:
         return "reduced gradient" + ("" if self.bucket is None else f" bucket {self.bucket}")
+
+
+def _is_sharded(p: torch.Tensor) -> bool:
+    return hasattr(p, "to_local") and hasattr(p, "device_mesh")  # a DTensor, without importing it
+
+
+def _held(p: torch.Tensor) -> torch.Tensor:
+    """The values of ``p`` this rank stores (its shard of a sharded parameter), detached."""
+    held: torch.Tensor = p.to_local() if _is_sharded(p) else p  # type: ignore[attr-defined]
+    return held.detach()
 
 
 def context() -> tuple[int, PassName]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from replicheck.guard.comm import Comm
 from replicheck.guard.config import Mode
@@ -21,6 +21,20 @@ from replicheck.incident import Classification
 
 Replayer = Callable[[ProbePayload], ProbeResult]
 """Replays a probe payload (as sent by its source) on this rank."""
+
+T = TypeVar("T")
+
+
+class Together(Protocol):
+    """Runs ``run`` (``passes`` re-runs on this rank) so that every rank leaves after the same
+    collectives: a sharded model's passes are collectives (:mod:`replicheck.guard.lockstep`)."""
+
+    def __call__(self, passes: int, run: Callable[[], T], step: int) -> T: ...
+
+
+def alone(passes: int, run: Callable[[], T], step: int) -> T:
+    """:class:`Together` for a model whose re-runs need no other rank (DDP, one process)."""
+    return run()
 
 
 @dataclass(frozen=True)
@@ -128,20 +142,21 @@ def resolve_replay(
     view: LocalView,
     replay: Replayer,
     criterion: Criterion,
+    together: Together = alone,
 ) -> Finding:
     """Name the rank behind failing pairs, arbitrating lone pairs, then classify the fault."""
     failing = [(p.source, p.verifier) for p in pairs if not p.agree]
     attribution = attribute_pairs(failing)
     suspects = list(attribution.suspects)
     tasks, unresolved = _arbiters(ring, attribution.unexplained)
-    arbitrations = _arbitrate(comm, tasks, view, replay, criterion) if tasks else []
+    arbitrations = _arbitrate(comm, tasks, view, replay, criterion, together) if tasks else []
     for a in sorted(arbitrations, key=lambda a: (a.source, a.verifier)):
         odd = a.odd_one_out
         if odd is None:
             unresolved.append((a.source, a.verifier))
         elif odd not in suspects:
             suspects.append(odd)
-    reruns = _classify(comm, suspects, {src for src, _ in failing}, view, replay, criterion)
+    reruns = _classify(comm, suspects, {src for src, _ in failing}, view, replay, criterion, together)
 
     candidates = sorted({r for pair in unresolved for r in pair})
     evidence: dict[str, Any] = {
@@ -183,33 +198,45 @@ def _arbiters(
 
 
 def _arbitrate(
-    comm: Comm, tasks: Sequence[tuple[int, int, int]], view: LocalView, replay: Replayer, criterion: Criterion
+    comm: Comm,
+    tasks: Sequence[tuple[int, int, int]],
+    view: LocalView,
+    replay: Replayer,
+    criterion: Criterion,
+    together: Together,
 ) -> list[_Arbitration]:
     """Each verifier forwards the disputed payload and its own replay to the pair's arbiter."""
     rank = comm.rank
     request = ArbitrationRequest(payload=view.received, verifier_result=view.replayed)
     sends = [(arb, request.encode()) for _, ver, arb in tasks if ver == rank]
     inbox = comm.exchange(sends, [ver for _, ver, arb in tasks if arb == rank])
-    mine = []
+    mine: list[_Arbitration] = []
     error: Exception | None = None
-    for src, ver, arb in tasks:
-        if arb != rank:
-            continue
-        try:
-            msg = ArbitrationRequest.decode(inbox[ver])
+    jobs: list[tuple[int, int, int, ArbitrationRequest]] = []
+    try:
+        jobs = [
+            (src, ver, arb, ArbitrationRequest.decode(inbox[ver])) for src, ver, arb in tasks if arb == rank
+        ]
+    except Exception as exc:  # noqa: BLE001 - re-raised below, after every rank has gathered
+        error = exc
+
+    def run() -> None:
+        for src, ver, arb, msg in jobs:
             result = replay(msg.payload)
-        except Exception as exc:  # noqa: BLE001 - re-raised below, after every rank has gathered
-            error = exc
-            break
-        mine.append(
-            _Arbitration(
-                source=src,
-                verifier=ver,
-                arbiter=arb,
-                agrees_with_source=criterion.agree(msg.payload.result, result),
-                agrees_with_verifier=criterion.agree(msg.verifier_result, result),
+            mine.append(
+                _Arbitration(
+                    source=src,
+                    verifier=ver,
+                    arbiter=arb,
+                    agrees_with_source=criterion.agree(msg.payload.result, result),
+                    agrees_with_verifier=criterion.agree(msg.verifier_result, result),
+                )
             )
-        )
+
+    try:
+        together(len(jobs), run, view.own.step)
+    except Exception as exc:  # noqa: BLE001 - re-raised below, after every rank has gathered
+        error = error or exc
     reports = comm.gather_objects((error is None, mine))
     _stop_on_failure(view.own.step, [ok for ok, _ in reports], error)
     return [a for _, done in reports for a in done]
@@ -222,22 +249,30 @@ def _classify(
     view: LocalView,
     replay: Replayer,
     criterion: Criterion,
+    together: Together,
 ) -> list[_Rerun]:
     """Each suspect recomputes what it is blamed for and compares with its first answer."""
-    mine: _Rerun | None = None
+    mine: list[_Rerun] = []
     error: Exception | None = None
-    if comm.rank in suspects:
-        try:
-            if comm.rank in sources:
-                again, first, what = replay(view.own), view.own.result, "own probe"
-            else:
-                again, first, what = replay(view.received), view.replayed, "replay of its source's probe"
-            mine = _Rerun(rank=comm.rank, rerun=what, same_answer=criterion.agree(first, again))
-        except Exception as exc:  # noqa: BLE001 - re-raised below, after every rank has gathered
-            error = exc
-    reports = comm.gather_objects((error is None, mine))
+
+    def run() -> None:
+        if comm.rank in sources:
+            again, first, what = replay(view.own), view.own.result, "own probe"
+        else:
+            again, first, what = replay(view.received), view.replayed, "replay of its source's probe"
+        mine.append(_Rerun(rank=comm.rank, rerun=what, same_answer=criterion.agree(first, again)))
+
+    try:
+        together(1 if comm.rank in suspects else 0, run if comm.rank in suspects else _nothing, view.own.step)
+    except Exception as exc:  # noqa: BLE001 - re-raised below, after every rank has gathered
+        error = exc
+    reports = comm.gather_objects((error is None, mine[0] if mine else None))
     _stop_on_failure(view.own.step, [ok for ok, _ in reports], error)
     return [r for _, r in reports if r is not None]
+
+
+def _nothing() -> None:
+    return None
 
 
 def _stop_on_failure(step: int, ok: Sequence[bool], error: Exception | None) -> None:

@@ -67,6 +67,15 @@ class Comm:
         self._keep(local, *out)
         return torch.stack(out)
 
+    def max_int(self, value: int) -> int:
+        """The largest ``value`` any rank gives (waits for every rank)."""
+        if self.world_size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        self._keep(t)
+        return int(to_host(t, "pass count")[0])
+
     def host_flags(self, flag: bool) -> list[bool]:
         """Every rank's ``flag`` (waits for every rank: :meth:`post_host_flag`, then its result)."""
         return self.post_host_flag(flag)()

@@ -17,7 +17,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from replicheck import fingerprint as fp
-from replicheck.guard import replicas, scaling
+from replicheck.guard import replicas, scaling, sharded
 from replicheck.guard.attribution import LocalView, Replayer
 from replicheck.guard.batch import batch_size, split
 from replicheck.guard.comm import Comm
@@ -34,6 +34,7 @@ from replicheck.guard.errors import (
 from replicheck.guard.failure import StepFailure
 from replicheck.guard.health import GradHealth, ReducedHook
 from replicheck.guard.judge import StepJudge
+from replicheck.guard.lockstep import Lockstep
 from replicheck.guard.loss import LossFn, unpack
 from replicheck.guard.probe import (
     BackwardPass,
@@ -149,10 +150,11 @@ class Guard:
         self._ddp_model = model if isinstance(model, DistributedDataParallel) else None
         self._module: torch.nn.Module = self._ddp_model.module if self._ddp_model is not None else model
         check_model(self._ddp_model, self._module)
+        self._layout = sharded.checked_layout(model, scaler) if sharded.is_sharded(model) else None
         self._comm = Comm(self._ddp_model.process_group if self._ddp_model is not None else None)
         named = self._checked_params()
         self._params = [p for _, p in named]
-        self._device = self._params[0].device
+        self._device = sharded.local(self._params[0]).device
         prepare_cublas(self._device, cfg.use_deterministic)
 
         identity, job_id = _identity(node, cfg.job_id)
@@ -163,7 +165,11 @@ class Guard:
         self._recompute = Recompute(
             self._module, loss_fn, self._params, self._fingerprinter, cfg.use_deterministic
         )
-        self._health = GradHealth(self._comm.group, digest_reduced=cfg.check_reduced and self.world_size > 1)
+        self._health: GradHealth | sharded.GradTap = (
+            GradHealth(self._comm.group, digest_reduced=cfg.check_reduced and self.world_size > 1)
+            if self._layout is None
+            else sharded.GradTap(model, digest_reduced=cfg.check_reduced and self._layout.replicas > 1)
+        )
         self._judge = StepJudge(
             cfg,
             self._comm,
@@ -173,10 +179,17 @@ class Guard:
             self._device,
             digest_reduced=self._health.digest_reduced,
             loss_scale=self._scaler.get_scale if self._scaler is not None else None,
+            replica_groups=self._layout.groups_of(self.world_size) if self._layout is not None else None,
         )
-        self._fail = StepFailure(self._comm, optimizer, self._ddp_model)
-        self._health.peer_failed = self._fail.flags.any_failed
-        self._fail.hooked = self._install_comm_hook()
+        self._fail = StepFailure(
+            self._comm, optimizer, self._ddp_model, sharded=model if self._layout is not None else None
+        )
+        if isinstance(self._health, sharded.GradTap):
+            self._recompute.lockstep = Lockstep(self._comm, self._health, model, self._params)
+            self._fail.hooked = True  # the tap sees every gradient before its reduce-scatter
+        else:
+            self._health.peer_failed = self._fail.flags.any_failed
+            self._fail.hooked = self._install_comm_hook(self._health)
         if cfg.mode == "exact" and not cfg.use_deterministic:
             log.warning("exact mode without deterministic kernels: a replay may differ by kernel noise")
         self._gate = step_gate(optimizer)
@@ -191,6 +204,8 @@ class Guard:
             m for m in self._module.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
         ]
         self._next_step = cfg.start_step
+        # Whether any two ranks hold the same state to compare (not so under plain FSDP2).
+        self._replicated = self.world_size > 1 and (self._layout is None or self._layout.replicas > 1)
         self._needs_rebuild = (
             self._ddp_model is not None and cfg.start_step > 0 and cfg.rebuild_buckets_on_resume
         )
@@ -212,19 +227,22 @@ class Guard:
 
     def _checked_params(self) -> list[tuple[str, torch.nn.Parameter]]:
         """The trainable parameters the guard checks, after refusing a model it cannot guard."""
-        if self._comm.world_size > 1 and self._ddp_model is None:
-            raise GuardConfigError("with world size > 1 the model must be wrapped in DistributedDataParallel")
+        if self._comm.world_size > 1 and self._ddp_model is None and self._layout is None:
+            raise GuardConfigError(
+                "with world size > 1 the model must be wrapped in DistributedDataParallel or sharded "
+                "with fully_shard (FSDP2, HSDP)"
+            )
         named = fp.named_weights(self._module, "trainable")
         if not named:
             raise GuardConfigError("the model has no trainable parameters")
         return named
 
-    def _install_comm_hook(self) -> bool:
+    def _install_comm_hook(self, health: GradHealth) -> bool:
         """Check gradients inside DDP's all-reduce when the hook slot is free."""
         if self._ddp_model is None:
             return False
         try:
-            self._ddp_model.register_comm_hook(None, self._fail.buckets.wrap(self._health.comm_hook))
+            self._ddp_model.register_comm_hook(None, self._fail.buckets.wrap(health.comm_hook))
         except RuntimeError as exc:
             # Falling back would lose which rank produced a bad local gradient: refuse instead.
             raise GuardConfigError(
@@ -236,7 +254,10 @@ class Guard:
         return True
 
     def _weights_digest(self) -> torch.Tensor:
-        """Every parameter (frozen ones too) and every buffer replicas share (on the device)."""
+        """Every parameter (frozen ones too) and every buffer replicas share (on the device); this
+        rank's shards of them on a sharded model."""
+        if self._layout is not None:
+            return sharded.weights_digest(self._module, self._config.per_rank_buffers)
         return fp.model_digest_tensor(self._module, "replicated", per_rank=self._config.per_rank_buffers)
 
     # -- public -----------------------------------------------------------------------------
@@ -286,7 +307,8 @@ class Guard:
             optimizer=self._optimizer_digest(),
         )
         rows = StepRow.decode(self._comm.gather_rows(row.encode(self._device)))
-        findings = replicas.findings([int(r.weights) for r in rows], [int(r.optimizer) for r in rows])
+        groups = self._layout.groups_of(self.world_size) if self._layout is not None else None
+        findings = replicas.findings([int(r.weights) for r in rows], [int(r.optimizer) for r in rows], groups)
         if findings:
             self._raise(step, findings)
 
@@ -298,9 +320,11 @@ class Guard:
         s = self._next_step
         sizes = [batch_size(mb) for mb in microbatches]
         verify = s % cfg.verify_every == 0
-        check_replicas = self.world_size > 1 and cfg.weights_every > 0 and s % cfg.weights_every == 0
+        check_replicas = self._replicated and cfg.weights_every > 0 and s % cfg.weights_every == 0
         if self._needs_rebuild:
             self._rebuild_buckets(microbatches[0])
+        if self._recompute.lockstep is not None:
+            self._recompute.lockstep.set_filler(microbatches[0], cfg.probe_size)
         self._optimizer.zero_grad(set_to_none=True)
         self._health.reset()
         self._fail.reset()
@@ -363,6 +387,8 @@ class Guard:
 
     def _optimizer_digest(self) -> torch.Tensor:
         """The optimizer state's digest, with the loss scaler's state when there is one."""
+        if self._layout is not None:
+            return sharded.optimizer_digest(self._optimizer)
         digest = fp.optimizer_digest_tensor(self._optimizer)
         if self._scaler is None:
             return digest
@@ -410,27 +436,43 @@ class Guard:
                 loss, count = got
                 self._note_loss_kind(count)
                 w = weights[i]
+                # A sharded model reduces each pass's gradient across ranks, so a LossSum's
+                # division by this rank's item count cannot wait until after earlier passes:
+                # they accumulate unreduced and the reduce-scatter divides (GradTap.pre_scale).
+                deferred = count is not None and len(mbs) > 1 and isinstance(self._health, sharded.GradTap)
                 if count is not None:
                     w = 1.0
                     if last:
                         items = sum(c or 0.0 for _, _, c in parts) + count
-                        scale = w = 1.0 / items if items > 0 else 1.0
-                        self._scale_grads(scale)
-                self._fail.backward(self._scaled(loss * w), synced=last)
+                        scale = 1.0 / items if items > 0 else 1.0
+                        if deferred and isinstance(self._health, sharded.GradTap):
+                            self._health.pre_scale = scale
+                        else:
+                            w = scale
+                            self._scale_grads(scale)
+                with sharded.gradient_sync(self._model, last or not deferred):
+                    self._fail.backward(self._scaled(loss * w), synced=last)
             parts.append((w, loss.detach(), count))
             passes.append(BackwardPass(batch=mb, weight=w, seed=None))
+        if isinstance(self._health, sharded.GradTap):
+            self._health.pre_scale = 1.0
+        if self._health.errors:
+            self._fail.note(self._health.errors[0])
+        if self._layout is not None:
+            # Sharded replays are collectives: a reduced-gradient hook's error stops every rank now.
+            self._fail.flags.post(self._fail.failed)
         self._fail.stop_after_passes(s)
         if self._loss_sum:
             passes = [dataclasses.replace(p, weight=scale) for p in passes]
             step_loss = _total(part.double() for _, part, _ in parts) * scale
         else:
             step_loss = _total(w * part.double() for w, part, _ in parts)
-        if not self._fail.hooked:
+        if isinstance(self._health, GradHealth) and not self._fail.hooked:
             grads = [p.grad for p in self._params if p.grad is not None]
             self._health.observe_local(grads)
             self._health.observe_reduced(grads)
-        if self._health.errors:
-            self._fail.note(self._health.errors[0])
+            if self._health.errors:
+                self._fail.note(self._health.errors[0])
         return _Backward(loss=step_loss, passes=passes)
 
     def _note_loss_kind(self, count: float | None) -> None:
@@ -471,6 +513,8 @@ class Guard:
     def _probe_mode(self) -> ProbeMode:
         """``split`` only where it leaves the update unchanged; else ``extra``."""
         cfg = self._config
+        if self._layout is not None:
+            return "extra"  # a split probe would need FSDP to keep whole gradients unreduced
         if cfg.probe == "extra" or (cfg.probe == "auto" and any(m.training for m in self._batchnorms)):
             return "extra"
         if self._loss_sum or cfg.loss_reduction != "unknown":
@@ -560,6 +604,9 @@ class Guard:
 
     def _raise(self, s: int, findings: list[Finding]) -> NoReturn:
         self._optimizer.zero_grad(set_to_none=True)
+        if isinstance(self._health, sharded.GradTap) and self._health.units:
+            # A sharded fingerprint has one entry per layer group, in the order backward made them.
+            self._reporter = dataclasses.replace(self._reporter, param_names=tuple(self._health.units))
         incident = self._reporter.build(
             s, findings, self.last_verified_step, time=self._reporter.raised_at(self._comm)
         )

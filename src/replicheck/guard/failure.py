@@ -22,6 +22,7 @@ from replicheck.guard.determinism import determinism_error
 from replicheck.guard.errors import PeerFailed
 from replicheck.guard.flags import FailureFlags
 from replicheck.guard.loss import LossSum, unpack
+from replicheck.guard.sharded import collectives_of_forward
 from replicheck.guard.support import checked_loss
 from replicheck.guard.unwind import BucketCount, finish_reductions
 
@@ -32,9 +33,14 @@ class StepFailure:
     """This rank's error in the current step, and how every rank learns of it."""
 
     def __init__(
-        self, comm: Comm, optimizer: torch.optim.Optimizer, ddp: DistributedDataParallel | None
+        self,
+        comm: Comm,
+        optimizer: torch.optim.Optimizer,
+        ddp: DistributedDataParallel | None,
+        *,
+        sharded: torch.nn.Module | None = None,
     ) -> None:
-        self._optimizer, self._ddp = optimizer, ddp
+        self._optimizer, self._ddp, self._sharded = optimizer, ddp, sharded
         self.flags = FailureFlags(comm)
         """The per-forward flags (the comm hook asks them before the first all-reduce)."""
         self.buckets = BucketCount()
@@ -43,12 +49,14 @@ class StepFailure:
         """Whether the guard's comm hook is installed (set by the guard once it is)."""
         self.error: BaseException | None = None
         """This rank's error in the step, until the step stops on it."""
-        self._ddp_entries = 0
-        if ddp is not None:
-            ddp.register_forward_pre_hook(self._count_ddp_forward)
+        self._entries = 0
+        self._peer_failed = False
+        wrapper = ddp if ddp is not None else sharded
+        if wrapper is not None:
+            wrapper.register_forward_pre_hook(self._count_forward)
 
-    def _count_ddp_forward(self, module: torch.nn.Module, args: object) -> None:
-        self._ddp_entries += 1
+    def _count_forward(self, module: torch.nn.Module, args: object) -> None:
+        self._entries += 1
 
     @property
     def failed(self) -> bool:
@@ -58,6 +66,7 @@ class StepFailure:
         """Start a step."""
         self.flags.reset()
         self.error = None
+        self._peer_failed = False
 
     def note(self, exc: BaseException) -> None:
         """Record ``exc`` as this rank's error unless one came earlier in the step."""
@@ -68,18 +77,26 @@ class StepFailure:
         """One forward pass, then its flag; ``None`` when this rank has failed in the step."""
         loss: torch.Tensor | None = None
         count: float | None = None
-        entered = self._ddp_entries
-        if self.error is None:
+        entered = self._entries
+        skipped = self.error is not None or self._peer_failed
+        if not skipped:
             try:
                 out = run()
                 loss, count = unpack(out) if isinstance(out, LossSum) else (checked_loss(out, where), None)
             except Exception as exc:  # noqa: BLE001 - re-raised on this rank by stop()
                 # A probe forward runs with deterministic kernels: note() names an op that has none.
                 self.note(exc)
-        if self.error is not None and self._ddp_entries == entered:
-            self._ddp_collectives_of_forward()
+        if self.error is not None and self._entries == entered:
+            if self._sharded is None:
+                self._ddp_collectives_of_forward()
+            elif not skipped:
+                collectives_of_forward(self._sharded)
         self.flags.post(self.error is not None)
-        if self.error is not None or loss is None:
+        if self._sharded is not None:
+            # A sharded backward is a collective: every rank must know now whether any failed,
+            # and then every rank skips the rest of the step's passes.
+            self._peer_failed = any(self.flags.collect())
+        if self.error is not None or loss is None or self._peer_failed:
             return None
         return loss, count
 

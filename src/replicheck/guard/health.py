@@ -54,7 +54,7 @@ class GradHealth:
     def comm_hook(self, state: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
         buf = bucket.buffer()
         # Squared norm: one streaming read; NaN and Inf propagate into it.
-        self._local_sq.append(_sq_norm(buf))
+        self._local_sq.append(sq_norm(buf))
         if self.peer_failed is not None and self.peer_failed():
             skipped: torch.futures.Future[torch.Tensor] = torch.futures.Future()
             skipped.set_result(buf)
@@ -77,7 +77,7 @@ class GradHealth:
     # -- without DDP (world size 1, or a user-owned comm hook) -------------------------------
     def observe_local(self, grads: Sequence[torch.Tensor]) -> None:
         if grads:
-            self._local_sq.extend(_sq_norm(g) for g in grads)
+            self._local_sq.extend(sq_norm(g) for g in grads)
 
     def observe_reduced(self, grads: Sequence[torch.Tensor]) -> None:
         if self.digest_reduced and grads:
@@ -99,7 +99,7 @@ class GradHealth:
         return fp.combine(torch.stack([self._reduced[i] for i in sorted(self._reduced)]))
 
 
-def _sq_norm(t: torch.Tensor) -> torch.Tensor:
+def sq_norm(t: torch.Tensor) -> torch.Tensor:
     """Squared L2 norm as float64: low-precision and float32 buckets are reduced in float32, float64
     in float64, complex as the norm of the magnitudes (NaN and Inf propagate)."""
     if t.is_complex():

@@ -37,12 +37,15 @@ class StepJudge:
         *,
         digest_reduced: bool,
         loss_scale: Callable[[], float] | None = None,
+        replica_groups: Sequence[Sequence[int]] | None = None,
     ) -> None:
         self._config, self._comm, self._ring = config, comm, ring
         self._nodes = list(nodes)
         self._recompute, self._device = recompute, device
         self._digest_reduced = digest_reduced
         self._loss_scale = loss_scale
+        self._groups = replica_groups
+        """Ranks that hold the same state (None: every rank, as in DDP)."""
         self._noise = 0.0
         self._calibrations = 0
 
@@ -83,14 +86,18 @@ class StepJudge:
                     rerun_elsewhere=lambda w: (
                         self._recompute.gradient_norm(_passes(w, self._device), s) / scale
                     ),
+                    together=self._recompute.together,
+                    step=s,
                 )
             )
         if self._digest_reduced:
-            f = replicas.vote_finding("reduced_gradients", [r.reduced for r in rows])
+            f = replicas.group_finding("reduced_gradients", [r.reduced for r in rows], self._groups)
             if f is not None:
                 findings.append(f)
         if check_replicas:
-            findings.extend(replicas.findings([r.weights for r in rows], [r.optimizer for r in rows]))
+            findings.extend(
+                replicas.findings([r.weights for r in rows], [r.optimizer for r in rows], self._groups)
+            )
         if view is not None:
             f = self._replay_finding(rows, view, replayer(s))
             if f is not None:
@@ -128,7 +135,13 @@ class StepJudge:
         if all(p.agree for p in pairs):
             return None
         return resolve_replay(
-            comm=self._comm, ring=self._ring, pairs=pairs, view=view, replay=replay, criterion=criterion
+            comm=self._comm,
+            ring=self._ring,
+            pairs=pairs,
+            view=view,
+            replay=replay,
+            criterion=criterion,
+            together=self._recompute.together,
         )
 
 

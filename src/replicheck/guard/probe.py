@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+import functools
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -14,12 +15,23 @@ from replicheck.guard.batch import to_device
 from replicheck.guard.config import Mode
 from replicheck.guard.context import PassName, running
 from replicheck.guard.determinism import deterministic
+from replicheck.guard.health import sq_norm
 from replicheck.guard.loss import LossFn, unpack
 from replicheck.guard.rng import forked_rng
 from replicheck.guard.transfer import host_result, to_host
 from replicheck.guard.wire import ProbePayload, ProbeResult, float_bits
 
+if TYPE_CHECKING:
+    from replicheck.guard.lockstep import Lockstep
+
+T = TypeVar("T")
+
+Capture = Callable[[torch.Tensor, int], torch.Tensor]
+"""``capture(gradient_buffer, index)``: what a sharded probe pass keeps of one layer group's
+gradient (a fingerprint part, or a squared norm), on the device."""
+
 __all__ = [
+    "Capture",
     "BackwardPass",
     "Comparison",
     "Fingerprinter",
@@ -74,6 +86,20 @@ class Fingerprinter:
             return fp.digests(grads, fold_zero=True)
         return fp.sketches(grads, seed=seed, k=self.sketch_k, block=self.sketch_block)
 
+    def part(self, seed: int) -> Capture:
+        """The fingerprint of one gradient buffer, on its device: what a sharded probe pass keeps
+        of each layer group's gradient as it is produced (the same as ``self([..., t], seed)``
+        gives the tensor at that index)."""
+        if self.mode == "exact":
+            return lambda t, i: fp.digests([t], fold_zero=True)
+        return lambda t, i: fp.sketch_rows(t, index=i, seed=seed, k=self.sketch_k, block=self.sketch_block)
+
+    def join(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The fingerprint made of :meth:`part` results, in the order they were taken."""
+        if parts:
+            return torch.cat(list(parts))
+        return self([], 0)
+
 
 @dataclass(frozen=True)
 class BackwardPass:
@@ -109,11 +135,15 @@ class Recompute:
         self._deterministic = deterministic_kernels
         self._device = self._params[0].device if self._params else torch.device("cpu")
         self._scratch_backward = False
+        self.lockstep: Lockstep | None = None
+        """Set for a sharded model: every pass is then run by every rank at once."""
 
     def probe(
         self, batch: Any, *, weight: float, seed: int, step: int, pass_: PassName = "replay"
     ) -> ProbeResult:
         """Loss and fingerprint of ``batch`` run as a probe under ``seed``."""
+        if self.lockstep is not None:
+            return self._sharded_probe(batch, weight=weight, seed=seed, step=step, pass_=pass_)
         for _attempt in range(2):
             try:
                 with (
@@ -127,6 +157,35 @@ class Recompute:
             except _RetryWithBackward:
                 continue
         return host_result(loss, self._fingerprinter(grads, seed))
+
+    def _sharded_probe(
+        self, batch: Any, *, weight: float, seed: int, step: int, pass_: PassName
+    ) -> ProbeResult:
+        lockstep = self.lockstep
+        if lockstep is None:
+            raise RuntimeError("internal: a sharded probe without lockstep")
+        with (
+            running(step, pass_, discarded=True),
+            seeded(seed, self._device),
+            deterministic(self._deterministic),
+            buffers_restored(self._module),
+        ):
+            loss, parts = lockstep.gradients(
+                lambda: self._loss_fn(self._module, to_device(batch, self._device)),
+                weight,
+                self._fingerprinter.part(seed),
+                step,
+            )
+        return host_result(loss, self._fingerprinter.join(parts))
+
+    def together(self, passes: int, run: Callable[[], T], step: int) -> T:
+        """``run()``, which runs ``passes`` re-runs on this rank; on a sharded model every rank
+        then runs discarded passes up to the most any rank ran (a pass is a collective there)."""
+        if self.lockstep is None:
+            return run()
+        return self.lockstep.together(
+            passes, run, lambda batch: self.probe(batch, weight=1.0, seed=0, step=step)
+        )
 
     def _gradients(self, batch: Any, weight: float) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
         """The pass's loss and its gradients, leaving every ``.grad`` as it was.
@@ -158,6 +217,8 @@ class Recompute:
         Probe passes run seeded (and deterministic when the job asks for it), training passes
         unseeded, as in the step, so a fault that depends on the shape of a pass reproduces.
         """
+        if self.lockstep is not None:
+            return self._sharded_gradient_norm(passes, step)
         acc: list[torch.Tensor | None] = [None] * len(self._params)
         with forked_rng(p.device for p in self._params), running(step, "replay"):
             for p in passes:
@@ -175,6 +236,30 @@ class Recompute:
             return 0.0
         norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in present]))
         return float(to_host(norm, "gradient re-run norm"))
+
+    def _sharded_gradient_norm(self, passes: Sequence[BackwardPass], step: int) -> float:
+        """The local norm summed over each pass's layer-group buffers, as a sharded step's row has it."""
+        lockstep = self.lockstep
+        if lockstep is None:
+            raise RuntimeError("internal: a sharded re-run without lockstep")
+        squares: list[torch.Tensor] = []
+        with forked_rng(p.device for p in self._params), running(step, "replay"):
+            for p in passes:
+                ctx = seeded(p.seed, self._device) if p.seed is not None else contextlib.nullcontext()
+                with ctx, deterministic(p.seed is not None and self._deterministic):
+                    squares += lockstep.gradients(
+                        functools.partial(self._loss_fn, self._module, to_device(p.batch, self._device)),
+                        p.weight,
+                        _square,
+                        step,
+                    )[1]
+        if not squares:
+            return 0.0
+        return float(to_host(torch.stack(squares).sum().sqrt(), "gradient re-run norm"))
+
+
+def _square(t: torch.Tensor, index: int) -> torch.Tensor:
+    return sq_norm(t)
 
 
 class _RetryWithBackward(Exception):

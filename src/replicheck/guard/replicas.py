@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from replicheck.guard.attribution import Together, alone
 from replicheck.guard.comm import Comm
 from replicheck.guard.verdict import Finding, vote
 from replicheck.incident import Check, Classification
@@ -31,9 +32,46 @@ def vote_finding(check: Check, values: Sequence[int]) -> Finding | None:
     return Finding(check=check, suspects=v.dissenters, classification="transient", evidence=evidence)
 
 
-def findings(weights: Sequence[int], optimizer_state: Sequence[int]) -> list[Finding]:
+def group_finding(
+    check: Check, values: Sequence[int], groups: Sequence[Sequence[int]] | None
+) -> Finding | None:
+    """:func:`vote_finding` inside each group of ranks that hold the same state (all ranks when
+    ``groups`` is None; for HSDP, the ranks holding one shard, one per replica group), with the
+    groups' suspects and candidates named by global rank."""
+    if groups is None:
+        return vote_finding(check, values)
+    found: list[tuple[Sequence[int], Finding]] = []
+    for g in groups:
+        f = vote_finding(check, [values[r] for r in g]) if len(g) > 1 else None
+        if f is not None:
+            found.append((g, f))
+    if not found:
+        return None
+    suspects = sorted({g[i] for g, f in found for i in f.suspects})
+    candidates = sorted({g[i] for g, f in found for i in f.candidates})
+    evidence: dict[str, Any] = {
+        "groups": [{"ranks": list(g), **f.evidence} for g, f in found],
+        "note": _STATE_NOTE if suspects else "no strict majority: the replicas cannot be told apart",
+    }
+    if not suspects:
+        return Finding(check=check, candidates=tuple(candidates), evidence=evidence)
+    return Finding(
+        check=check,
+        suspects=tuple(suspects),
+        candidates=tuple(candidates),
+        classification="transient",
+        evidence=evidence,
+    )
+
+
+def findings(
+    weights: Sequence[int], optimizer_state: Sequence[int], groups: Sequence[Sequence[int]] | None = None
+) -> list[Finding]:
     """Findings of the weights and optimizer-state votes (empty when every replica agrees)."""
-    votes = (vote_finding("weights", weights), vote_finding("optimizer_state", optimizer_state))
+    votes = (
+        group_finding("weights", weights, groups),
+        group_finding("optimizer_state", optimizer_state, groups),
+    )
     return [f for f in votes if f is not None]
 
 
@@ -87,6 +125,8 @@ def gradient_finding(
     nodes: Sequence[str] | None = None,
     work: object = None,
     rerun_elsewhere: Callable[[object], float] | None = None,
+    together: Together = alone,
+    step: int = 0,
 ) -> Finding:
     """Ranks whose local gradient was non-finite or too large, with each one's work re-run twice.
 
@@ -119,8 +159,13 @@ def gradient_finding(
         if peers
         else {}
     )
-    elsewhere = {b: rerun_elsewhere(w) for b, w in inbox.items()} if rerun_elsewhere else {}
-    again = rerun_norm() if me in bad else None
+    passes = (_length(work) if me in bad else 0) + sum(_length(w) for w in inbox.values())
+
+    def run() -> tuple[dict[int, float], float | None]:
+        elsewhere = {b: rerun_elsewhere(w) for b, w in inbox.items()} if rerun_elsewhere else {}
+        return elsewhere, rerun_norm() if me in bad else None
+
+    elsewhere, again = together(passes, run, step)
     reports = comm.gather_objects((again, elsewhere))
     peer_norms = {b: n for _, got in reports for b, n in got.items()}
     reruns = [
@@ -147,6 +192,11 @@ def gradient_finding(
         classification=device[0].classification(bound),
         evidence=evidence,
     )
+
+
+def _length(work: object) -> int:
+    """Passes in a step's work as :func:`gradient_finding` sends it (a list of passes)."""
+    return len(work) if isinstance(work, list) else 1
 
 
 def _or_nan(x: float | None) -> float:

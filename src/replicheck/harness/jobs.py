@@ -19,6 +19,7 @@ from replicheck.harness.workloads import (
     DecoderConfig,
     lm_loss,
     lm_loss_bf16,
+    lm_loss_fp16,
     make_model,
     padded_batch,
     synthetic_batch,
@@ -26,8 +27,11 @@ from replicheck.harness.workloads import (
     token_sum_loss,
 )
 
-JobLoss = Literal["lm", "lm_bf16", "token_sum"]
+JobLoss = Literal["lm", "lm_bf16", "lm_fp16", "token_sum"]
 """The job's loss (see :attr:`JobSpec.loss`)."""
+
+Parallel = Literal["ddp", "fsdp", "hsdp"]
+"""How the job spreads the model (see :attr:`JobSpec.parallel`)."""
 
 Setup = Callable[[RankContext, torch.nn.Module, torch.optim.Optimizer, Guard], Any]
 """Called on every rank after the guard is built (install faults, hooks...); must be picklable."""
@@ -73,11 +77,18 @@ class JobSpec:
     """Rank 0 prints step, loss and verification as it trains, every this many steps (0: silent)."""
     loss: JobLoss = "lm"
     """``lm``: :func:`~replicheck.harness.workloads.lm_loss`; ``lm_bf16``: the same with the
-    forward under bf16 autocast; ``token_sum``: padded Hugging Face shaped batches and the
+    forward under bf16 autocast; ``lm_fp16``: under fp16 autocast, trained with a
+    ``torch.amp.GradScaler`` (guarded and plain); ``token_sum``: padded Hugging Face shaped batches and the
     token-mean loss stated as a ``LossSum`` (the plain loop uses the token mean)."""
     stop_step: int | None = None
     """When set, run up to this step index (exclusive) instead of ``steps`` steps, so a requeued
     job can resume with the same spec."""
+    parallel: Parallel = "ddp"
+    """``ddp``: DistributedDataParallel; ``fsdp``: FSDP2 (``fully_shard`` on each block and the
+    root, one mesh over every rank); ``hsdp``: the same on a 2-D mesh of ``replicas`` replica
+    groups, each sharding over ``world / replicas`` ranks."""
+    replicas: int = 2
+    """Replica groups of an ``hsdp`` job."""
 
 
 @dataclass
@@ -99,9 +110,47 @@ class JobResult:
 
 def build(spec: JobSpec, ctx: RankContext) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     model = make_model(spec.model, seed=spec.seed)
-    ddp = DistributedDataParallel(model) if ctx.world_size > 1 else model
-    opt = torch.optim.AdamW(ddp.parameters(), lr=spec.lr)
-    return ddp, opt
+    if spec.parallel != "ddp":
+        wrapped: torch.nn.Module = shard(
+            model, ctx.world_size, spec.replicas if spec.parallel == "hsdp" else 1
+        )
+    else:
+        wrapped = DistributedDataParallel(model) if ctx.world_size > 1 else model
+    opt = torch.optim.AdamW(wrapped.parameters(), lr=spec.lr)
+    return wrapped, opt
+
+
+def bare_device(module: torch.nn.Module) -> str:
+    """The device type ``module``'s parameters live on."""
+    return next(module.parameters()).device.type
+
+
+def shard(model: torch.nn.Module, world_size: int, replicas: int = 1) -> torch.nn.Module:
+    """``model`` (a decoder) sharded with ``fully_shard``: each block, then the root. With
+    ``replicas > 1`` the mesh is 2-D (HSDP): replicas × (world_size / replicas)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    if replicas > 1:
+        mesh = init_device_mesh(
+            "cpu", (replicas, world_size // replicas), mesh_dim_names=("replicate", "shard")
+        )
+    else:
+        mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("shard",))
+    for block in model.blocks:  # type: ignore[union-attr]  # the decoder's blocks
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)  # changes the module's class in place
+    return model
+
+
+def full_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``module``'s state dict as whole CPU tensors (a collective for a sharded module)."""
+    from torch.distributed.tensor import DTensor
+
+    return {
+        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+        for k, v in module.state_dict().items()
+    }
 
 
 def batch_for(spec: JobSpec, step: int, rank: int) -> list[dict[str, torch.Tensor]]:
@@ -146,16 +195,27 @@ def train(ctx: RankContext, spec: JobSpec) -> JobResult:
     model, opt = build(spec, ctx)
     result = JobResult(rank=ctx.rank, node=ctx.node)
     bare = unwrap(model)
-    loss_fn: Any = {"lm": lm_loss, "lm_bf16": lm_loss_bf16, "token_sum": token_sum_loss}[spec.loss]
+    loss_fn: Any = {
+        "lm": lm_loss,
+        "lm_bf16": lm_loss_bf16,
+        "lm_fp16": lm_loss_fp16,
+        "token_sum": token_sum_loss,
+    }[spec.loss]
+    scaler = torch.amp.GradScaler(bare_device(bare)) if spec.loss == "lm_fp16" else None
     if spec.guard is None:
         if spec.loss == "token_sum":
             loss_fn = token_mean_loss
         for s in range(spec.steps):
             opt.zero_grad(set_to_none=True)
             loss = loss_fn(model, batch_for(spec, s, ctx.rank)[0])
-            loss.backward()
-            opt.step()
-            result.losses[s], result.last_step = float(loss), s
+            if scaler is None:
+                loss.backward()
+                opt.step()
+            else:
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+            result.losses[s], result.last_step = float(loss.detach()), s
     else:
         store, gcfg = _checkpointing(spec, spec.guard, model, opt, result, ctx.rank)
         if store is not None and store.loaded is not None:
@@ -164,7 +224,7 @@ def train(ctx: RankContext, spec: JobSpec) -> JobResult:
         if gcfg.loss_reduction == "unknown" and spec.loss != "token_sum":
             # lm_loss averages sequences of one length: a per-sample mean, so a split is exact.
             gcfg = dataclasses.replace(gcfg, loss_reduction="sample_mean")
-        guard = Guard(model, opt, loss_fn, config=gcfg, node=ctx.node)
+        guard = Guard(model, opt, loss_fn, config=gcfg, node=ctx.node, scaler=scaler)
         if spec.setup is not None:
             result.setup_result = spec.setup(ctx, model, opt, guard)
         start = gcfg.start_step
@@ -183,7 +243,13 @@ def train(ctx: RankContext, spec: JobSpec) -> JobResult:
                     result.checkpoints.append(s)
         except CorruptionDetected as exc:
             result.incident = exc.incident.to_dict()
-    result.weights_digest = fp.model_digest(bare, "all")
+    if spec.parallel == "ddp":
+        result.weights_digest = fp.model_digest(bare, "all")
+        if spec.keep_state:
+            result.state = {k: v.detach().clone() for k, v in bare.state_dict().items()}
+        return result
+    state = full_state(bare)  # every rank takes part: the shards are gathered
+    result.weights_digest = fp.weights_digest(state[k] for k, _ in bare.named_parameters())
     if spec.keep_state:
-        result.state = {k: v.detach().clone() for k, v in bare.state_dict().items()}
+        result.state = state
     return result

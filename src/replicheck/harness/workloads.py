@@ -187,7 +187,16 @@ def token_sum_loss(module: nn.Module, batch: dict[str, torch.Tensor]) -> LossSum
 
 def lm_loss_bf16(module: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """:func:`lm_loss` with the forward under bf16 autocast (the loss itself in fp32)."""
+    return _autocast_lm_loss(module, batch, torch.bfloat16)
+
+
+def lm_loss_fp16(module: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """:func:`lm_loss` with the forward under fp16 autocast (trained with a loss scaler)."""
+    return _autocast_lm_loss(module, batch, torch.float16)
+
+
+def _autocast_lm_loss(module: nn.Module, batch: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     device = next(module.parameters()).device.type
-    with torch.autocast(device_type=device, dtype=torch.bfloat16):
+    with torch.autocast(device_type=device, dtype=dtype):
         logits = module(batch["tokens"])
     return F.cross_entropy(logits.float().flatten(0, 1), batch["targets"].flatten())

@@ -1,0 +1,265 @@
+"""FSDP2 (``fully_shard``) and HSDP: where the guard sees each rank's gradient, and the mesh.
+
+No rank of a sharded job holds a whole gradient: each layer's unsharded gradient exists for a
+moment on every rank, is copied into one flat buffer and reduce-scattered. The guard takes the
+reduce-scatter slot (``FSDPModule.set_custom_reduce_scatter``, public API) so it sees that
+buffer, this rank's own contribution, before the reduction: on a training pass it adds the
+buffer's squared norm to the rank's local gradient norm (a non-finite or huge gradient is named
+on the rank that produced it) and then reduce-scatters as FSDP would; on a probe pass it
+fingerprints the buffer and skips the reduction (every rank is in a probe pass at the same time,
+so every rank skips it). Nothing is kept but one fingerprint per layer group: no second copy of
+any gradient. ``docs/design/sharded.md`` gives the reasoning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter  # the public setter's type
+from torch.distributed.tensor import DTensor
+
+from replicheck import fingerprint as fp
+from replicheck.guard.errors import GuardConfigError
+from replicheck.guard.health import ReducedHook, sq_norm
+from replicheck.guard.probe import Capture
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """Whether ``model`` was sharded with ``fully_shard`` (FSDP2 or HSDP)."""
+    return isinstance(model, FSDPModule)
+
+
+def fsdp_modules(model: torch.nn.Module) -> list[tuple[str, FSDPModule]]:
+    """Every ``fully_shard`` unit in ``model`` (the root first), with its name."""
+    return [(n or "<root>", m) for n, m in model.named_modules() if isinstance(m, FSDPModule)]
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """Which ranks hold the same shard: the replicate dimension of an HSDP mesh."""
+
+    replicas: int
+    """Replica groups (1 for plain FSDP2)."""
+    shards: int
+    """Ranks a parameter is sharded over inside one replica group."""
+    same_shard: tuple[tuple[int, ...], ...]
+    """For each shard index, the global ranks holding it (one per replica group)."""
+
+    def groups_of(self, world_size: int) -> list[list[int]]:
+        """Ranks whose stored state must be equal: those holding the same shard."""
+        return [list(g) for g in self.same_shard if len(g) > 1 and max(g) < world_size]
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> ShardLayout:
+        """The layout of ``model``'s device mesh; refuses parameters that are not on one mesh."""
+        meshes = {id(p.device_mesh): p.device_mesh for p in model.parameters() if isinstance(p, DTensor)}
+        if len(meshes) != 1:
+            raise GuardConfigError(
+                "every parameter of a fully_shard model must be sharded on one device mesh "
+                f"(found {len(meshes)} meshes); shard the whole model with one mesh"
+            )
+        mesh = next(iter(meshes.values()))
+        ranks = mesh.mesh
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if ranks.numel() != world:
+            raise GuardConfigError(
+                f"the model's device mesh covers {ranks.numel()} of the job's {world} ranks; the guard "
+                "needs the mesh to span the job (tensor or pipeline parallel dimensions are not supported)"
+            )
+        if ranks.dim() == 1:
+            return cls(replicas=1, shards=ranks.numel(), same_shard=tuple((int(r),) for r in ranks))
+        if ranks.dim() != 2:
+            raise GuardConfigError(f"a {ranks.dim()}-D device mesh is not supported (FSDP2: 1-D, HSDP: 2-D)")
+        return cls(
+            replicas=ranks.shape[0],
+            shards=ranks.shape[1],
+            same_shard=tuple(tuple(int(r) for r in ranks[:, s]) for s in range(ranks.shape[1])),
+        )
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The part of ``t`` this rank holds (a DTensor's local shard; a plain tensor itself)."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def weights_digest(model: torch.nn.Module, per_rank: Sequence[str] = ()) -> torch.Tensor:
+    """Digest of this rank's parameter shards and the buffers replicas share (on the device)."""
+    skip = set(per_rank)
+    tensors = [local(p.detach()) for _, p in model.named_parameters()]
+    tensors += [b for n, b in model.named_buffers() if n.rsplit(".", 1)[-1] not in skip]
+    return fp.combine(fp.digests(tensors))
+
+
+def optimizer_digest(optimizer: torch.optim.Optimizer) -> torch.Tensor:
+    """Digest of this rank's shards of the optimizer state (step counters as numbers)."""
+    parts: list[torch.Tensor] = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state.get(p, {})
+            for key in sorted(state):
+                v = state[key]
+                if isinstance(v, torch.Tensor):
+                    parts.append(local(v).detach().reshape(-1))
+                else:
+                    parts.append(torch.tensor([float(v)], dtype=torch.float64))
+    if not parts:
+        return torch.zeros((), dtype=torch.int64)
+    device = next((t.device for t in parts if t.device.type != "cpu"), torch.device("cpu"))
+    return fp.combine(fp.digests([t.to(device) for t in parts]))
+
+
+class _UnitReduceScatter(ReduceScatter):
+    """The reduce-scatter of one ``fully_shard`` unit, routed through the shared :class:`GradTap`."""
+
+    def __init__(self, tap: GradTap, name: str) -> None:
+        self._tap, self._name = tap, name
+
+    def allocate(
+        self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: Any,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        return self._tap.reduce_scatter(self._name, output_tensor, input_tensor, group, op, async_op)
+
+
+TapMode = Literal["train", "probe"]
+
+
+class GradTap:
+    """The guard's view of a sharded model's gradients, one step at a time.
+
+    Implements the per-step gradient-statistics interface the guard reads from DDP's comm hook
+    (``reset``, ``local_norm``, ``reduced_digest``, ``errors``): the local norm is summed over
+    every reduce-scatter input of the step's training passes, the reduced digest (HSDP only,
+    where replica groups hold the same reduced shard) over every reduced shard.
+    """
+
+    def __init__(self, model: torch.nn.Module, *, digest_reduced: bool) -> None:
+        self.digest_reduced = digest_reduced
+        self.reduced_hooks: list[ReducedHook] = []
+        self._mode: TapMode = "train"
+        self.pre_scale = 1.0
+        """Factor this rank's gradient is multiplied by before a training reduce-scatter (a
+        ``LossSum`` step's division by its item count, after unreduced accumulation)."""
+        self._capture: Capture | None = None
+        self._captured: list[torch.Tensor] = []
+        self.units: list[str] = []
+        """The ``fully_shard`` units of the last probe pass, in the order their gradients came
+        (what each entry of a sharded fingerprint covers)."""
+        self.reset()
+        for name, unit in fsdp_modules(model):
+            unit.set_custom_reduce_scatter(_UnitReduceScatter(self, name))
+            unit.set_all_reduce_hook(self._after_reduce)
+
+    def reset(self) -> None:
+        """Start a step."""
+        self._local_sq: list[torch.Tensor] = []
+        self._reduced: list[torch.Tensor] = []
+        self._index = 0
+        self.errors: list[Exception] = []
+
+    def local_norm(self) -> torch.Tensor | float:
+        """This rank's gradient norm over the step's training passes (on the device), or 0.0."""
+        if not self._local_sq:
+            return 0.0
+        return torch.stack(self._local_sq).sum().sqrt()
+
+    def reduced_digest(self) -> torch.Tensor | int:
+        """Digest of the reduced shards this rank received in the step, or 0 when not checked."""
+        if not self._reduced:
+            return 0
+        return fp.combine(torch.stack(self._reduced))
+
+    @contextlib.contextmanager
+    def capturing(self, capture: Capture) -> Iterator[list[torch.Tensor]]:
+        """A probe pass: each reduce-scatter input goes to ``capture`` and is not reduced."""
+        if self._mode != "train":
+            raise RuntimeError("internal: nested probe capture")
+        self._mode, self._capture, self._captured = "probe", capture, []
+        self.units = []
+        try:
+            yield self._captured
+        finally:
+            self._mode, self._capture = "train", None
+
+    # -- FSDP's calls --------------------------------------------------------------------------
+    def reduce_scatter(
+        self,
+        unit: str,
+        output: torch.Tensor,
+        buffer: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: Any,
+        async_op: bool,
+    ) -> dist.Work | None:
+        if self._mode == "probe" and self._capture is not None:
+            self._captured.append(self._capture(buffer, len(self._captured)))
+            self.units.append(unit)
+            # Every rank is in the same probe pass: none reduces, and the discarded gradient is 0.
+            output.zero_()
+            return None
+        if self.pre_scale != 1.0:
+            buffer.mul_(self.pre_scale)
+        self._local_sq.append(sq_norm(buffer))
+        work: dist.Work | None = dist.reduce_scatter_single(
+            output, buffer, op=op, group=group, async_op=async_op
+        )
+        return work
+
+    def _after_reduce(self, reduced: torch.Tensor) -> None:
+        if self._mode == "probe":
+            return
+        index, self._index = self._index, self._index + 1
+        for hook in self.reduced_hooks:
+            try:
+                hook(index, reduced)
+            except Exception as exc:  # noqa: BLE001 - reported through the step's row
+                self.errors.append(exc)
+        if self.digest_reduced:
+            self._reduced.append(fp.digest(reduced))
+
+
+@contextlib.contextmanager
+def gradient_sync(model: torch.nn.Module, sync: bool) -> Iterator[None]:
+    """A backward that reduces gradients (``sync``), or accumulates them unreduced on this rank
+    (FSDP2's ``set_requires_gradient_sync(False)``); nothing to do for another model."""
+    if sync or not isinstance(model, FSDPModule):
+        yield
+        return
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def checked_layout(model: torch.nn.Module, scaler: object) -> ShardLayout:
+    """The layout of a sharded model the guard can check; refuses what it cannot yet."""
+    if scaler is not None:
+        raise GuardConfigError(
+            "a loss scaler (scaler=) with a fully_shard model is not supported yet: use bf16 autocast "
+            "(no scaler needed) with FSDP2, or DDP for fp16 with GradScaler"
+        )
+    return ShardLayout.of(model)
+
+
+def collectives_of_forward(model: torch.nn.Module) -> None:
+    """Take part in a forward's parameter all-gathers without running it (unit by unit, in the
+    order FSDP runs them), for a rank whose loss function failed before it called the model."""
+    for _, unit in fsdp_modules(model):
+        unit.unshard()
+        unit.reshard()
