@@ -1,7 +1,8 @@
-"""Step-time overhead of the guard against the plain DDP loop, measured in the same run (CPU, 2 gloo ranks).
+"""Step-time overhead of the guard against the plain loop, measured in the same run (CPU, 2 gloo ranks).
 
 Two gloo ranks train the Llama-style decoder (d_model 256, 4 layers, 8 sequences x ``--seq-len``
-tokens per rank per step) as a plain DDP loop and as guarded loops, all in one pair of processes:
+tokens per rank per step) as a plain DDP loop and as guarded loops, all in one pair of processes
+(``--parallel fsdp``: both loops sharded with FSDP2 instead):
 
 1. the published schedule (replay, weights and optimizer state every 10 steps, exact mode, every
    per-step check on): ``--rounds`` interleaved rounds (default 24);
@@ -35,6 +36,7 @@ from benchkit.interleave import run_rounds, summary
 from benchkit.phases import GUARD_PHASES, PhaseTimer
 from replicheck.guard import Guard, GuardConfig
 from replicheck.guard.config import Mode
+from replicheck.harness.jobs import shard
 from replicheck.harness.launch import RankContext, node_names, run_local
 from replicheck.harness.workloads import DecoderConfig, lm_loss, make_model, synthetic_batch
 
@@ -51,8 +53,9 @@ def _bench(ctx: RankContext, opts: dict[str, Any]) -> dict[str, Any]:
 
     cfg_model = _model(opts["seq_len"])
 
-    def make() -> tuple[DistributedDataParallel, torch.optim.Optimizer]:
-        model = DistributedDataParallel(make_model(cfg_model, seed=0))
+    def make() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        bare = make_model(cfg_model, seed=0)
+        model = shard(bare, ctx.world_size) if opts["parallel"] == "fsdp" else DistributedDataParallel(bare)
         return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
 
     def guarded(every: int) -> Guard:
@@ -206,6 +209,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
     parser.add_argument("--mode", choices=["exact", "tolerant"], default="exact")
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument(
+        "--parallel",
+        choices=["ddp", "fsdp"],
+        default="ddp",
+        help="DDP, or FSDP2 (fully_shard on each block and the root) for both loops",
+    )
     parser.add_argument("--json", help="also write the figures to this file")
     parser.add_argument("--markdown", help="also write the tables to this file")
     args = parser.parse_args(argv)
@@ -220,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         "seq_len": args.seq_len,
         "mode": mode,
         "warmup": args.warmup,
+        "parallel": args.parallel,
     }
     t0 = time.monotonic()
     out = run_local(_bench, node_names(2, 1), args=(opts,), timeout=7200)[0]
@@ -229,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": f"d_model 256, 4 layers, 8 heads, vocab 1024, seq_len {args.seq_len}",
         "tokens_per_rank_per_step": args.batch * args.seq_len,
         "ranks": 2,
+        "parallel": args.parallel,
         "mode": args.mode,
         "every_10": {
             "schedule": "verify_every=10, weights_every=10, all per-step checks",

@@ -54,6 +54,11 @@ class Manifest:
     """Ranks in the job that saved it."""
     replicas_checked: bool = False
     """True when the guard's cross-replica agreement check passed right before saving."""
+    sharded: bool = False
+    """True for a sharded model (FSDP2, HSDP): ``payload`` is a ``torch.distributed.checkpoint``
+    directory, ``payload_sha256`` one SHA-256 over its files' names, SHA-256s and sizes, and the
+    two digests combine every rank's shard digests in rank order (so it loads into the same world
+    size and mesh only). Absent in older manifests: false."""
     time: str = field(default_factory=utc_iso)
     """When it was written, ISO 8601 with UTC offset."""
     format: str = FORMAT
@@ -92,6 +97,7 @@ class Manifest:
             num_params=_int(data, "num_params"),
             world_size=_int(data, "world_size", minimum=1),
             replicas_checked=_bool(data, "replicas_checked"),
+            sharded=_bool(data, "sharded"),
             time=_str(data, "time"),
         )
 

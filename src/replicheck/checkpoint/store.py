@@ -4,6 +4,7 @@ loads that fall back to the next older checkpoint; retention that keeps the resu
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import re
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 import torch
 
 from replicheck import fingerprint as fp
-from replicheck.checkpoint import atomic
+from replicheck.checkpoint import atomic, sharded
 from replicheck.checkpoint.errors import (
     CheckpointConfigError,
     CheckpointCorrupt,
@@ -238,10 +239,15 @@ class CheckpointStore:
             replicas_checked=checked,
             world_size=comm.world_size,
         )
+        if sharded.is_sharded(unwrap(model)):
+            staged, digests = self._stage_shards(step, model, optimizer, comm)
+            write = functools.partial(self._commit_shards, step, staged, extra, lineage, digests)
+        else:
+            write = functools.partial(self._write, step, model, optimizer, extra, lineage)
         outcome: tuple[bool, Any] | None = None
         if comm.rank == self.writer_rank:
             try:
-                outcome = (True, self._write(step, model, optimizer, extra, lineage).to_dict())
+                outcome = (True, write().to_dict())
             except Exception as exc:  # noqa: BLE001 - reported on every rank below
                 log.error("checkpoint at step %d not written: %s", step, exc)
                 outcome = (False, f"{type(exc).__name__}: {exc}")
@@ -257,6 +263,64 @@ class CheckpointStore:
             )
         manifest = Manifest.from_dict(value)
         return Checkpoint(step=step, path=self.directory / _dir_name(step), manifest=manifest)
+
+    def _stage_shards(
+        self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, comm: Comm
+    ) -> tuple[Path, tuple[str, str, int]]:
+        """Collective: the writer makes a staging directory, every rank writes its shards into it."""
+        prepared: tuple[str | None, str] = (None, "")
+        if comm.rank == self.writer_rank:
+            try:
+                self.directory.mkdir(parents=True, exist_ok=True)
+                atomic.clean_leftovers(self.directory)
+                prepared = (str(atomic.staging_dir(self.directory, _dir_name(step))), "")
+            except OSError as exc:
+                prepared = (None, f"{type(exc).__name__}: {exc}")
+        where, error = comm.gather_objects(prepared)[self.writer_rank]
+        if where is None:
+            raise CheckpointWriteError(
+                f"rank {self.writer_rank} could not stage the checkpoint of step {step}: {error}"
+            )
+        staged = Path(where)
+        try:
+            return staged, sharded.write(
+                step=step, staged=staged, model=model, optimizer=optimizer, comm=comm
+            )
+        except CheckpointWriteError:
+            if comm.rank == self.writer_rank and staged.exists():
+                atomic.remove_tree(staged)
+            raise
+
+    def _commit_shards(
+        self, step: int, staged: Path, extra: Any, lineage: _Lineage, digests: tuple[str, str, int]
+    ) -> Manifest:
+        """The writer's part of a sharded save: ``extra``, the manifest, the atomic commit."""
+        try:
+            if extra is not None:
+                atomic.write_file(staged / sharded.EXTRA_NAME, lambda fh: torch.save(extra, fh))
+            weights, opt, count = digests
+            manifest = sharded.manifest_for(
+                staged,
+                dict(
+                    step=step,
+                    weights_digest=weights,
+                    optimizer_digest=opt,
+                    last_verified_step=lineage.last_verified_step,
+                    verify_every=lineage.verify_every,
+                    num_params=count,
+                    world_size=lineage.world_size,
+                    replicas_checked=lineage.replicas_checked,
+                ),
+            )
+            atomic.write_file(staged / MANIFEST_NAME, lambda fh: _write_all(fh, manifest.to_json().encode()))
+            self._supersede(lambda s: s >= step)
+            atomic.commit(staged, self.directory / _dir_name(step))
+        except BaseException:
+            if staged.exists():
+                atomic.remove_tree(staged)
+            raise
+        self._retain(manifest)
+        return manifest
 
     def _lineage_verified(self, guard_verified: int | None) -> int | None:
         if guard_verified is not None:
@@ -413,6 +477,9 @@ class CheckpointStore:
 
     def _check_payload(self, path: Path, manifest: Manifest) -> Path:
         payload = path / manifest.payload
+        if manifest.sharded:
+            sharded.verify(path, manifest)
+            return payload
         try:
             st = payload.stat()
         except OSError as exc:
@@ -437,6 +504,13 @@ class CheckpointStore:
         manifest = self._read_manifest(ckpt.path)
         if manifest.step != ckpt.step:
             raise CheckpointCorrupt(f"manifest now says step {manifest.step}, expected {ckpt.step}")
+        if manifest.sharded != sharded.is_sharded(unwrap(model)):
+            kind = "a sharded (FSDP2/HSDP)" if manifest.sharded else "an unsharded"
+            raise CheckpointMismatch(f"{ckpt.path}: {kind} checkpoint does not load into this model")
+        if manifest.sharded:
+            sharded.check_world(ckpt.path, manifest, Comm())
+            self._check_payload(ckpt.path, manifest)
+            return manifest, {"extra": sharded.read_extra(ckpt.path)}
         payload_path = self._check_payload(ckpt.path, manifest)
         try:
             payload = torch.load(payload_path, map_location="cpu", weights_only=True)
@@ -540,6 +614,9 @@ class CheckpointStore:
         optimizer: torch.optim.Optimizer | None,
     ) -> None:
         bare = unwrap(model)
+        if manifest.sharded:
+            sharded.restore(ckpt.path, manifest, bare, optimizer, Comm())
+            return
         own = bare.state_dict()
         state = payload["model"]
         if set(own) != set(state):
