@@ -115,8 +115,8 @@ class PhaseTimer:
 
 
 GUARD_PHASES = [
-    Target("replicheck.guard.core:Guard._own_probe", "own probe: split-off forward + backward"),
-    Target("replicheck.guard.core:Guard._backward", "training passes (rest of the batch)"),
+    Target("replicheck.guard.passes:StepPasses.own_probe", "own probe: split-off forward + backward"),
+    Target("replicheck.guard.passes:StepPasses.backward", "training passes (rest of the batch)"),
     Target("replicheck.guard.probe:Recompute.payload", "replay of the received probe: forward + backward"),
     Target("replicheck.fingerprint:digests", "probe fingerprints (digests)", absorbing=True),
     Target("replicheck.fingerprint:model_digest", "weights + optimizer-state digests", absorbing=True),

@@ -19,6 +19,8 @@ FORMAT = "replicheck.checkpoint"
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 PAYLOAD_NAME = "state.pt"
+PAYLOAD_FORMAT = "replicheck.checkpoint.payload"
+"""The ``format`` entry of a ``state.pt`` payload."""
 
 
 def digest_hex(value: int) -> str:

@@ -39,8 +39,8 @@ __all__ = [
     "read_extra",
     "restore",
     "tree_sha256",
+    "stage",
     "verify",
-    "write",
 ]
 
 
@@ -77,22 +77,39 @@ def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str
     return {"model": model_state, "optimizer": optim_state}
 
 
-def write(
-    *,
+def stage(
+    final: Path,
+    writer_rank: int,
     step: int,
-    staged: Path,
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     comm: Comm,
-) -> tuple[str, str, int]:
-    """Collective: every rank writes its shards into ``staged``; returns :func:`digests`."""
+) -> tuple[Path, tuple[str, str, int]]:
+    """Collective: the writer makes a staging directory for ``final``, every rank writes its
+    shards into it (DCP); returns the staging directory and :func:`digests`."""
     import torch.distributed.checkpoint as dcp
 
+    prepared: tuple[str | None, str] = (None, "")
+    if comm.rank == writer_rank:
+        try:
+            final.parent.mkdir(parents=True, exist_ok=True)
+            atomic.clean_leftovers(final.parent)
+            prepared = (str(atomic.staging_dir(final.parent, final.name)), "")
+        except OSError as exc:
+            prepared = (None, f"{type(exc).__name__}: {exc}")
+    where, error = comm.gather_objects(prepared)[writer_rank]
+    if where is None:
+        raise CheckpointWriteError(
+            f"rank {writer_rank} could not stage the checkpoint of step {step}: {error}"
+        )
+    staged = Path(where)
     try:
         dcp.save(_state(model, optimizer), checkpoint_id=str(staged / DCP_DIR))
     except Exception as exc:  # noqa: BLE001 - DCP reports a failed write on every rank
+        if comm.rank == writer_rank and staged.exists():
+            atomic.remove_tree(staged)
         raise CheckpointWriteError(f"the shards of step {step} were not written: {exc}") from exc
-    return digests(model, optimizer, comm)
+    return staged, digests(model, optimizer, comm)
 
 
 def manifest_for(staged: Path, fields: dict[str, Any]) -> Manifest:

@@ -22,7 +22,6 @@ from replicheck.checkpoint.errors import (
     CheckpointConfigError,
     CheckpointCorrupt,
     CheckpointError,
-    CheckpointMismatch,
     CheckpointNotFound,
     CheckpointWarning,
     CheckpointWriteError,
@@ -31,6 +30,7 @@ from replicheck.checkpoint.errors import (
 )
 from replicheck.checkpoint.manifest import (
     MANIFEST_NAME,
+    PAYLOAD_FORMAT,
     PAYLOAD_NAME,
     Manifest,
     digest_hex,
@@ -42,6 +42,7 @@ from replicheck.checkpoint.policy import (
     clean_bound,
     eligible,
 )
+from replicheck.checkpoint.restore import read_verified, restore
 from replicheck.guard.comm import Comm
 from replicheck.guard.modules import unwrap
 from replicheck.incident import Incident, IncidentFormatError, read_incident
@@ -53,7 +54,6 @@ log = logging.getLogger("replicheck.checkpoint")
 
 SUPERSEDED = "superseded"
 _NAME = re.compile(r"^step-([0-9]{9,})$")  # ASCII digits only (\d matches other scripts' digits)
-_PAYLOAD_FORMAT = "replicheck.checkpoint.payload"
 
 IncidentLike = Incident | Mapping[str, Any] | str | bytes | os.PathLike[str]
 """An :class:`Incident`, its dict, its JSON text, or the path of the JSON file."""
@@ -240,7 +240,9 @@ class CheckpointStore:
             world_size=comm.world_size,
         )
         if sharded.is_sharded(unwrap(model)):
-            staged, digests = self._stage_shards(step, model, optimizer, comm)
+            staged, digests = sharded.stage(
+                self.directory / _dir_name(step), self.writer_rank, step, model, optimizer, comm
+            )
             write = functools.partial(self._commit_shards, step, staged, extra, lineage, digests)
         else:
             write = functools.partial(self._write, step, model, optimizer, extra, lineage)
@@ -263,33 +265,6 @@ class CheckpointStore:
             )
         manifest = Manifest.from_dict(value)
         return Checkpoint(step=step, path=self.directory / _dir_name(step), manifest=manifest)
-
-    def _stage_shards(
-        self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, comm: Comm
-    ) -> tuple[Path, tuple[str, str, int]]:
-        """Collective: the writer makes a staging directory, every rank writes its shards into it."""
-        prepared: tuple[str | None, str] = (None, "")
-        if comm.rank == self.writer_rank:
-            try:
-                self.directory.mkdir(parents=True, exist_ok=True)
-                atomic.clean_leftovers(self.directory)
-                prepared = (str(atomic.staging_dir(self.directory, _dir_name(step))), "")
-            except OSError as exc:
-                prepared = (None, f"{type(exc).__name__}: {exc}")
-        where, error = comm.gather_objects(prepared)[self.writer_rank]
-        if where is None:
-            raise CheckpointWriteError(
-                f"rank {self.writer_rank} could not stage the checkpoint of step {step}: {error}"
-            )
-        staged = Path(where)
-        try:
-            return staged, sharded.write(
-                step=step, staged=staged, model=model, optimizer=optimizer, comm=comm
-            )
-        except CheckpointWriteError:
-            if comm.rank == self.writer_rank and staged.exists():
-                atomic.remove_tree(staged)
-            raise
 
     def _commit_shards(
         self, step: int, staged: Path, extra: Any, lineage: _Lineage, digests: tuple[str, str, int]
@@ -343,7 +318,7 @@ class CheckpointStore:
         params = [p for _, p in fp.named_weights(bare, "all")]
         opt_state = optimizer.state_dict()
         payload = {
-            "format": _PAYLOAD_FORMAT,
+            "format": PAYLOAD_FORMAT,
             "step": step,
             "model": bare.state_dict(),
             "optimizer": opt_state,
@@ -497,56 +472,6 @@ class CheckpointStore:
         self._verified[path] = key
         return payload
 
-    def _read_verified(self, ckpt: Checkpoint, model: torch.nn.Module) -> tuple[Manifest, dict[str, Any]]:
-        """Manifest, checksum, structure and fingerprints, all before anything is restored."""
-        if not ckpt.path.is_dir():
-            raise CheckpointCorrupt("directory is missing")
-        manifest = self._read_manifest(ckpt.path)
-        if manifest.step != ckpt.step:
-            raise CheckpointCorrupt(f"manifest now says step {manifest.step}, expected {ckpt.step}")
-        if manifest.sharded != sharded.is_sharded(unwrap(model)):
-            kind = "a sharded (FSDP2/HSDP)" if manifest.sharded else "an unsharded"
-            raise CheckpointMismatch(f"{ckpt.path}: {kind} checkpoint does not load into this model")
-        if manifest.sharded:
-            sharded.check_world(ckpt.path, manifest, Comm())
-            self._check_payload(ckpt.path, manifest)
-            return manifest, {"extra": sharded.read_extra(ckpt.path)}
-        payload_path = self._check_payload(ckpt.path, manifest)
-        try:
-            payload = torch.load(payload_path, map_location="cpu", weights_only=True)
-        except Exception as exc:  # noqa: BLE001 - any unpickling failure means a bad payload
-            raise CheckpointCorrupt(
-                f"payload does not load: {type(exc).__name__}: {str(exc)[:200]}"
-            ) from None
-        if not isinstance(payload, dict) or payload.get("format") != _PAYLOAD_FORMAT:
-            raise CheckpointCorrupt("payload is not a replicheck checkpoint payload")
-        if payload.get("step") != manifest.step:
-            raise CheckpointCorrupt(
-                f"payload holds step {payload.get('step')!r}, the manifest says {manifest.step}"
-            )
-        state, opt = payload.get("model"), payload.get("optimizer")
-        if (
-            not isinstance(state, Mapping)
-            or not isinstance(opt, Mapping)
-            or not isinstance(opt.get("state"), Mapping)
-        ):
-            raise CheckpointCorrupt("payload lacks the model or optimizer state")
-        names = [n for n, _ in fp.named_weights(unwrap(model), "all")]
-        missing = [n for n in names if not isinstance(state.get(n), torch.Tensor)]
-        if missing:
-            raise CheckpointMismatch(
-                f"{ckpt.path}: the model's parameters {missing[:3]} are not in the checkpoint"
-            )
-        if len(names) != manifest.num_params:
-            raise CheckpointMismatch(
-                f"{ckpt.path}: the model has {len(names)} parameter tensors, the checkpoint {manifest.num_params}"
-            )
-        if digest_hex(fp.weights_digest(state[n] for n in names)) != manifest.weights_digest:
-            raise CheckpointCorrupt("weight fingerprint does not match the manifest")
-        if digest_hex(fp.optimizer_digest(opt["state"])) != manifest.optimizer_digest:
-            raise CheckpointCorrupt("optimizer-state fingerprint does not match the manifest")
-        return manifest, payload
-
     def load(
         self,
         ckpt: Checkpoint | None,
@@ -576,7 +501,9 @@ class CheckpointStore:
         candidates = [ckpt, *older]
         for i, cand in enumerate(candidates):
             try:
-                manifest, payload = self._read_verified(cand, model)
+                manifest, payload = read_verified(
+                    cand, model, read_manifest=self._read_manifest, check_payload=self._check_payload
+                )
             except (CheckpointCorrupt, ManifestError) as exc:
                 message = f"{cand.path}: {exc}"
                 refused.append(message)
@@ -585,7 +512,7 @@ class CheckpointStore:
                     message + ("; trying the next older checkpoint" if more else "; no older checkpoint left")
                 )
                 continue
-            self._restore(cand, manifest, payload, model, optimizer)
+            restore(cand, manifest, payload, model, optimizer)
             chosen = dataclasses.replace(cand, manifest=manifest)
             self.loaded = Loaded(checkpoint=chosen, extra=payload.get("extra"), refused=tuple(refused))
             if retire_newer and Comm().rank == self.writer_rank:
@@ -604,60 +531,6 @@ class CheckpointStore:
         raise NoValidCheckpoint(
             f"no valid checkpoint at or before step {ckpt.step} in {self.directory}", refused
         )
-
-    def _restore(
-        self,
-        ckpt: Checkpoint,
-        manifest: Manifest,
-        payload: dict[str, Any],
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer | None,
-    ) -> None:
-        bare = unwrap(model)
-        if manifest.sharded:
-            sharded.restore(ckpt.path, manifest, bare, optimizer, Comm())
-            return
-        own = bare.state_dict()
-        state = payload["model"]
-        if set(own) != set(state):
-            extra_keys, missing = sorted(set(state) - set(own)), sorted(set(own) - set(state))
-            raise CheckpointMismatch(
-                f"{ckpt.path}: state keys differ from the model (missing {missing[:3]}, unexpected {extra_keys[:3]})"
-            )
-        for key, value in own.items():
-            theirs = state[key]
-            if isinstance(value, torch.Tensor) and (
-                not isinstance(theirs, torch.Tensor) or theirs.shape != value.shape
-            ):
-                raise CheckpointMismatch(
-                    f"{ckpt.path}: {key} has shape {getattr(theirs, 'shape', None)}, "
-                    f"the model {tuple(value.shape)}"
-                )
-        if optimizer is not None:
-            groups, saved = optimizer.param_groups, payload["optimizer"].get("param_groups")
-            if (
-                not isinstance(saved, list)
-                or len(saved) != len(groups)
-                or any(
-                    not isinstance(s, Mapping) or len(s.get("params", ())) != len(g["params"])
-                    for s, g in zip(saved, groups)
-                )
-            ):
-                raise CheckpointMismatch(
-                    f"{ckpt.path}: optimizer parameter groups do not match the optimizer"
-                )
-        bare.load_state_dict(state)
-        if optimizer is not None:
-            try:
-                optimizer.load_state_dict(payload["optimizer"])
-            except (ValueError, KeyError, TypeError, RuntimeError) as exc:
-                raise CheckpointMismatch(f"{ckpt.path}: optimizer state does not fit: {exc}") from None
-        restored = digest_hex(fp.model_digest(bare, "all"))
-        if restored != manifest.weights_digest:
-            raise CheckpointMismatch(
-                f"{ckpt.path}: weights after restoring fingerprint to {restored}, the manifest says "
-                f"{manifest.weights_digest} (the model's dtype or device changes the values)"
-            )
 
 
 def resume_point(

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import functools
 import logging
 import math
 import warnings
-from collections.abc import Callable, Iterable, Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -19,9 +16,9 @@ from torch.nn.parallel import DistributedDataParallel
 from replicheck import fingerprint as fp
 from replicheck.guard import replicas, scaling, sharded
 from replicheck.guard.attribution import LocalView, Replayer
-from replicheck.guard.batch import batch_size, split
+from replicheck.guard.batch import batch_size
 from replicheck.guard.comm import Comm
-from replicheck.guard.config import GuardConfig, ProbeMode
+from replicheck.guard.config import GuardConfig
 from replicheck.guard.context import running
 from replicheck.guard.determinism import prepare_cublas
 from replicheck.guard.errors import (
@@ -29,22 +26,18 @@ from replicheck.guard.errors import (
     CorruptionDetected,
     GuardConfigError,
     GuardError,
-    LossContractError,
 )
 from replicheck.guard.failure import StepFailure
 from replicheck.guard.health import GradHealth, ReducedHook
 from replicheck.guard.judge import StepJudge
 from replicheck.guard.lockstep import Lockstep
 from replicheck.guard.loss import LossFn, unpack
+from replicheck.guard.passes import Backward, OwnProbe, StepPasses
 from replicheck.guard.probe import (
-    BackwardPass,
     Fingerprinter,
     Recompute,
     buffers_restored,
     compare,
-    deterministic,
-    probe_seed,
-    seeded,
 )
 from replicheck.guard.report import IncidentBuilder
 from replicheck.guard.ring import Ring
@@ -57,9 +50,8 @@ from replicheck.guard.support import (
     step_gate,
     unwrap_compiled,
 )
-from replicheck.guard.transfer import host_result
 from replicheck.guard.verdict import Finding
-from replicheck.guard.wire import HostRow, ProbePayload, ProbeResult, StepRow
+from replicheck.guard.wire import HostRow, ProbePayload, StepRow
 from replicheck.incident import NodeIdentity
 
 log = logging.getLogger(__name__)
@@ -81,40 +73,6 @@ class StepResult:
     skipped: bool = False
     """True when the loss scaler overflowed and the step was skipped on every rank, as the scaler
     does: no update applied, the scale lowered (only with ``scaler=``)."""
-
-
-@dataclass(frozen=True)
-class _SplitProbe:
-    """In ``split`` mode the probe is the front of the first micro-batch and counts for the step."""
-
-    loss: torch.Tensor
-    """The probe's (detached) loss."""
-    count: float | None
-    """Its item count when ``loss_fn`` returned a ``LossSum``."""
-    weight: float
-    """Its share of the step's loss (1 for a ``LossSum``: the step rescales at the end)."""
-    rest: Any | None
-    """The rest of the first micro-batch, or ``None`` when the probe took all of it."""
-
-
-@dataclass(frozen=True)
-class _OwnProbe:
-    """This rank's probe of a verification step."""
-
-    payload: ProbePayload
-    """What is sent to the verifier."""
-    split: _SplitProbe | None
-    """Set when the probe already ran as part of the real batch."""
-
-
-@dataclass
-class _Backward:
-    """What the step's backward passes left behind."""
-
-    loss: torch.Tensor
-    """The rank's loss for the step (float64, on the device: it reaches the host in the row)."""
-    passes: list[BackwardPass]
-    """The passes as they ran, for a re-run on the failure path."""
 
 
 class Guard:
@@ -193,6 +151,18 @@ class Guard:
         if cfg.mode == "exact" and not cfg.use_deterministic:
             log.warning("exact mode without deterministic kernels: a replay may differ by kernel noise")
         self._gate = step_gate(optimizer)
+        self._passes = StepPasses(
+            config=cfg,
+            model=model,
+            loss_fn=loss_fn,
+            params=self._params,
+            fail=self._fail,
+            recompute=self._recompute,
+            fingerprinter=self._fingerprinter,
+            health=self._health,
+            scaler=self._scaler,
+            rank=self.rank,
+        )
         if self.world_size == 1:
             warnings.warn(
                 "replicheck: world size 1, so a verification re-runs the probe on the same device: "
@@ -200,9 +170,6 @@ class Guard:
                 "twice). Run with 2 or more ranks to catch persistent faults.",
                 stacklevel=2,
             )
-        self._batchnorms = [
-            m for m in self._module.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
-        ]
         self._next_step = cfg.start_step
         # Whether any two ranks hold the same state to compare (not so under plain FSDP2).
         self._replicated = self.world_size > 1 and (self._layout is None or self._layout.replicas > 1)
@@ -211,8 +178,6 @@ class Guard:
         )
         self.last_verified_step: int | None = cfg.resume_verified_step
         """The newest step whose verification passed (a resumed job may set it from its checkpoint)."""
-        self._loss_sum: bool | None = None  # whether loss_fn returns a LossSum; None: not seen yet
-        self._warned_split = False
         self._reporter = IncidentBuilder(
             job_id=job_id,
             rank=self.rank,
@@ -330,9 +295,11 @@ class Guard:
         self._fail.reset()
 
         own = (
-            self._own_probe(s, microbatches[0], sizes[0], sum(sizes), more=len(sizes) > 1) if verify else None
+            self._passes.own_probe(s, microbatches[0], sizes[0], sum(sizes), more=len(sizes) > 1)
+            if verify
+            else None
         )
-        done = self._backward(s, list(microbatches), sizes, own)
+        done = self._passes.backward(s, list(microbatches), sizes, own)
         row, view = self._local_row(s, done, own, check_replicas)
         # The step's one device→host transfer: every rank's row, after the all-gather.
         rows = StepRow.decode(self._comm.gather_rows(row.encode(self._device)))
@@ -381,10 +348,6 @@ class Guard:
             skipped=True,
         )
 
-    def _scaled(self, loss: torch.Tensor) -> torch.Tensor:
-        """The loss the backward runs on: scaled by the job's loss scaler, when there is one."""
-        return self._scaler.scale(loss) if self._scaler is not None else loss
-
     def _optimizer_digest(self) -> torch.Tensor:
         """The optimizer state's digest, with the loss scaler's state when there is one."""
         if self._layout is not None:
@@ -395,103 +358,8 @@ class Guard:
         return fp.combine(torch.stack([digest, scaling.state_digest(self._scaler).to(digest.device)]))
 
     # -- the step's phases ------------------------------------------------------------------
-    def _no_sync(self, sync: bool) -> AbstractContextManager[Any]:
-        """DDP's ``no_sync`` for a pass whose gradients must not be all-reduced yet."""
-        return (
-            self._ddp_model.no_sync()
-            if self._ddp_model is not None and not sync
-            else contextlib.nullcontext()
-        )
-
-    def _backward(self, s: int, mbs: list[Any], sizes: Sequence[int], own: _OwnProbe | None) -> _Backward:
-        """The training passes (after a split probe, the rest of the batch); the last one syncs.
-
-        Plain losses are weighted by ``loss_reduction`` (sample share, or 1 for a sum). ``LossSum``
-        passes run unscaled and the gradient is divided by the step's item count just before
-        the last (synced) backward, so the all-reduced gradient is the unsplit one.
-        """
-        total = sum(sizes)
-        per_pass = 1.0 if self._config.loss_reduction == "sum" else None
-        weights = [per_pass if per_pass is not None else n / total for n in sizes]
-        parts: list[tuple[float, torch.Tensor, float | None]] = []  # (weight, loss, count)
-        passes: list[BackwardPass] = []
-        if own is not None and own.split is not None:
-            probe = own.split
-            parts.append((probe.weight, probe.loss, probe.count))
-            passes.append(BackwardPass(batch=own.payload.batch, weight=probe.weight, seed=own.payload.seed))
-            if probe.rest is None:
-                mbs.pop(0)
-                weights.pop(0)
-            else:
-                mbs[0] = probe.rest
-                if per_pass is None:
-                    weights[0] = (sizes[0] - own.payload.size) / total
-        scale = 1.0
-        for i, mb in enumerate(mbs):
-            last = i == len(mbs) - 1
-            with self._no_sync(last), running(s, "train"):
-                got = self._fail.forward(functools.partial(self._loss_fn, self._model, mb), "training pass")
-                if got is None:
-                    continue  # this rank failed: no backward (its peers learn it before theirs syncs)
-                loss, count = got
-                self._note_loss_kind(count)
-                w = weights[i]
-                # A sharded model reduces each pass's gradient across ranks, so a LossSum's
-                # division by this rank's item count cannot wait until after earlier passes:
-                # they accumulate unreduced and the reduce-scatter divides (GradTap.pre_scale).
-                deferred = count is not None and len(mbs) > 1 and isinstance(self._health, sharded.GradTap)
-                if count is not None:
-                    w = 1.0
-                    if last:
-                        items = sum(c or 0.0 for _, _, c in parts) + count
-                        scale = 1.0 / items if items > 0 else 1.0
-                        if deferred and isinstance(self._health, sharded.GradTap):
-                            self._health.pre_scale = scale
-                        else:
-                            w = scale
-                            self._scale_grads(scale)
-                with sharded.gradient_sync(self._model, last or not deferred):
-                    self._fail.backward(self._scaled(loss * w), synced=last)
-            parts.append((w, loss.detach(), count))
-            passes.append(BackwardPass(batch=mb, weight=w, seed=None))
-        if isinstance(self._health, sharded.GradTap):
-            self._health.pre_scale = 1.0
-        if self._health.errors:
-            self._fail.note(self._health.errors[0])
-        if self._layout is not None:
-            # Sharded replays are collectives: a reduced-gradient hook's error stops every rank now.
-            self._fail.flags.post(self._fail.failed)
-        self._fail.stop_after_passes(s)
-        if self._loss_sum:
-            passes = [dataclasses.replace(p, weight=scale) for p in passes]
-            step_loss = _total(part.double() for _, part, _ in parts) * scale
-        else:
-            step_loss = _total(w * part.double() for w, part, _ in parts)
-        if isinstance(self._health, GradHealth) and not self._fail.hooked:
-            grads = [p.grad for p in self._params if p.grad is not None]
-            self._health.observe_local(grads)
-            self._health.observe_reduced(grads)
-            if self._health.errors:
-                self._fail.note(self._health.errors[0])
-        return _Backward(loss=step_loss, passes=passes)
-
-    def _note_loss_kind(self, count: float | None) -> None:
-        kind = count is not None
-        if self._loss_sum is not None and kind != self._loss_sum:
-            raise LossContractError("loss_fn must return a LossSum on every call or on none")
-        self._loss_sum = kind
-
-    def _scale_grads(self, scale: float) -> None:
-        """Scale what earlier (unsynced) passes accumulated, before the synced pass adds to it."""
-        if scale == 1.0:
-            return
-        with torch.no_grad():
-            for p in self._params:
-                if p.grad is not None:
-                    p.grad.mul_(scale)
-
     def _local_row(
-        self, s: int, done: _Backward, own: _OwnProbe | None, check_replicas: bool
+        self, s: int, done: Backward, own: OwnProbe | None, check_replicas: bool
     ) -> tuple[StepRow[Any, Any], LocalView | None]:
         """This rank's contribution to the step's all-gather (the ring exchange runs here)."""
         # Device tensors throughout: the row reaches the host once, after the all-gather.
@@ -508,77 +376,6 @@ class Guard:
             row = dataclasses.replace(row, verified=True, pair_distance=distance, noise=noise)
         # Read after the replay: an error there is this rank's failure too.
         return dataclasses.replace(row, failed=self._fail.failed), view
-
-    # -- the verification pass --------------------------------------------------------------
-    def _probe_mode(self) -> ProbeMode:
-        """``split`` only where it leaves the update unchanged; else ``extra``."""
-        cfg = self._config
-        if self._layout is not None:
-            return "extra"  # a split probe would need FSDP to keep whole gradients unreduced
-        if cfg.probe == "extra" or (cfg.probe == "auto" and any(m.training for m in self._batchnorms)):
-            return "extra"
-        if self._loss_sum or cfg.loss_reduction != "unknown":
-            return "split"
-        if cfg.probe == "split" and self._loss_sum is False and not self._warned_split:
-            self._warned_split = True
-            warnings.warn(
-                "probe='split' needs a loss whose split is exact: return a LossSum from loss_fn or "
-                "set GuardConfig.loss_reduction; using probe='extra' so the update is unchanged",
-                stacklevel=3,
-            )
-        return "extra"
-
-    def _own_probe(self, s: int, first: Any, size: int, total: int, more: bool) -> _OwnProbe:
-        """Compute this rank's probe; in split mode it is also the first part of the real batch."""
-        cfg = self._config
-        p = min(cfg.probe_size, size)
-        probe_batch, rest = split(first, p)
-        seed = probe_seed(cfg.seed, s, self.rank)
-        weight = 1.0 if self._loss_sum or cfg.loss_reduction == "sum" else p / total
-        # Replays multiply by the loss scale as a number (a power of two: exact), read once here.
-        loss_scale = self._scaler.get_scale() if self._scaler is not None else 1.0
-        split_probe = None
-        if self._probe_mode() == "split" and (size > p or more):
-            with (
-                self._no_sync(False),
-                running(s, "probe"),
-                seeded(seed, self._params[0].device),
-                deterministic(cfg.use_deterministic),
-            ):
-                got = self._fail.forward(lambda: self._loss_fn(self._model, probe_batch), "probe")
-                if got is not None:
-                    loss, count = got
-                    self._note_loss_kind(count)
-                    weight = 1.0 if count is not None else weight
-                    self._fail.backward(loss * (weight * loss_scale), synced=False)
-            if got is None:
-                # This rank failed: keep the step's shape (the same passes, so the same flags
-                # as its peers) until every rank stops after the passes.
-                result = ProbeResult(math.nan, torch.zeros(0))
-                loss, count = torch.zeros(()), None
-            else:
-                result = host_result(loss, self._fingerprinter([q.grad for q in self._params], seed))
-            split_probe = _SplitProbe(
-                loss=loss.detach(), count=count, weight=weight, rest=rest if size > p else None
-            )
-        else:
-            # An error here stops every rank at the first training pass's forward.
-            computed = self._fail.attempt(
-                lambda: self._recompute.probe(
-                    probe_batch, weight=weight * loss_scale, seed=seed, step=s, pass_="probe"
-                )
-            )
-            result = computed if computed is not None else ProbeResult(math.nan, torch.zeros(0))
-        payload = ProbePayload(
-            step=s,
-            source=self.rank,
-            batch=probe_batch,
-            weight=weight * loss_scale,
-            seed=seed,
-            size=p,
-            result=result,
-        )
-        return _OwnProbe(payload=payload, split=split_probe)
 
     def _replayer(self, s: int) -> Replayer:
         return lambda payload: self._recompute.payload(payload, s)
@@ -629,16 +426,6 @@ class Guard:
             _backward(loss)
         self._optimizer.zero_grad(set_to_none=True)
         self._health.reset()
-
-
-def _total(parts: Iterable[torch.Tensor]) -> torch.Tensor:
-    """The parts added in order on their device (as the float sum was, so the bits are the same)."""
-    out: torch.Tensor | None = None
-    for p in parts:
-        out = p if out is None else out + p
-    if out is None:
-        raise GuardError("internal: a step without passes")
-    return out
 
 
 def _backward(loss: torch.Tensor) -> None:
