@@ -287,9 +287,7 @@ class CheckpointStore:
                     replicas_checked=lineage.replicas_checked,
                 ),
             )
-            atomic.write_file(staged / MANIFEST_NAME, lambda fh: _write_all(fh, manifest.to_json().encode()))
-            self._supersede(lambda s: s >= step)
-            atomic.commit(staged, self.directory / _dir_name(step))
+            self._publish(staged, manifest)
         except BaseException:
             if staged.exists():
                 atomic.remove_tree(staged)
@@ -340,15 +338,20 @@ class CheckpointStore:
                 world_size=lineage.world_size,
                 replicas_checked=lineage.replicas_checked,
             )
-            atomic.write_file(staged / MANIFEST_NAME, lambda fh: _write_all(fh, manifest.to_json().encode()))
-            self._supersede(lambda s: s >= step)
-            atomic.commit(staged, self.directory / _dir_name(step))
+            self._publish(staged, manifest)
         except BaseException:
             if staged.exists():
                 atomic.remove_tree(staged)
             raise
         self._retain(manifest)
         return manifest
+
+    def _publish(self, staged: Path, manifest: Manifest) -> None:
+        """Write the manifest into a fully staged checkpoint and commit it under its step's name
+        (an older checkpoint of the same or a later step moves to ``superseded/`` first)."""
+        atomic.write_file(staged / MANIFEST_NAME, lambda fh: _write_all(fh, manifest.to_json().encode()))
+        self._supersede(lambda s: s >= manifest.step)
+        atomic.commit(staged, self.directory / _dir_name(manifest.step))
 
     def _supersede(self, newer: Callable[[int], bool]) -> list[Path]:
         """Move checkpoints of an abandoned timeline into ``superseded/`` (kept for forensics)."""

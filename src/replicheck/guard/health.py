@@ -14,7 +14,45 @@ ReducedHook = Callable[[int, torch.Tensor], None]
 """``hook(bucket_index, reduced_bucket)``: sees (and may modify) a bucket after its all-reduce."""
 
 
-class GradHealth:
+class GradStats:
+    """One step's local gradient norm, reduced-gradient digests and reduced-gradient hooks: what
+    the guard reads from DDP's comm hook (:class:`GradHealth`) or FSDP2's reduce-scatter
+    (:class:`~replicheck.guard.sharded.GradTap`). Results are 0-dim device tensors."""
+
+    def __init__(self, digest_reduced: bool) -> None:
+        self.digest_reduced = digest_reduced
+        self.reduced_hooks: list[ReducedHook] = []
+        self.reset()
+
+    def reset(self) -> None:
+        """Start a step."""
+        self._local_sq: list[torch.Tensor] = []
+        self._reduced: dict[int, torch.Tensor] = {}
+        self.errors: list[Exception] = []
+        """Errors raised by reduced-gradient hooks this step (reported in the step's row, so
+        every rank stops instead of the failing one leaving the others in a collective)."""
+
+    def _run_hooks(self, index: int, t: torch.Tensor) -> None:
+        for hook in self.reduced_hooks:
+            try:
+                hook(index, t)
+            except Exception as exc:  # noqa: BLE001 - reported through the step's row
+                self.errors.append(exc)
+
+    def local_norm(self) -> torch.Tensor | float:
+        """The local gradient norm (float64, on the device), or 0.0 when no gradient was seen."""
+        if not self._local_sq:
+            return 0.0
+        return torch.stack(self._local_sq).sum().sqrt()
+
+    def reduced_digest(self) -> torch.Tensor | int:
+        """The reduced gradient's digest (on the device), or 0 when not checked."""
+        if not self._reduced:
+            return 0
+        return fp.combine(torch.stack([self._reduced[i] for i in sorted(self._reduced)]))
+
+
+class GradHealth(GradStats):
     """Collects, for one step, the local gradient norm and the digest of the reduced gradient.
 
     Everything stays on the gradients' device and nothing here waits for it: the results are
@@ -29,26 +67,10 @@ class GradHealth:
 
     def __init__(self, group: dist.ProcessGroup | None, digest_reduced: bool) -> None:
         self.group = group
-        self.digest_reduced = digest_reduced
-        self.reduced_hooks: list[ReducedHook] = []
         self.peer_failed: Callable[[], bool] | None = None
         """Asked before each bucket's all-reduce: when a rank failed in this step's forward (it
         never joins the all-reduce), the bucket is left local instead (the step is discarded)."""
-        self.reset()
-
-    def reset(self) -> None:
-        self._local_sq: list[torch.Tensor] = []
-        self._reduced: dict[int, torch.Tensor] = {}
-        self.errors: list[Exception] = []
-        """Errors raised by reduced-gradient hooks this step (reported in the step's row, so
-        every rank stops instead of the failing one leaving the others in a collective)."""
-
-    def _run_hooks(self, index: int, t: torch.Tensor) -> None:
-        for hook in self.reduced_hooks:
-            try:
-                hook(index, t)
-            except Exception as exc:  # noqa: BLE001 - reported through the step's row
-                self.errors.append(exc)
+        super().__init__(digest_reduced)
 
     # -- DDP communication hook -------------------------------------------------------------
     def comm_hook(self, state: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -84,19 +106,6 @@ class GradHealth:
             for i, g in enumerate(grads):
                 self._run_hooks(i, g)
             self._reduced[0] = fp.combine(fp.digests(grads))
-
-    # -- results ------------------------------------------------------------------------------
-    def local_norm(self) -> torch.Tensor | float:
-        """The local gradient norm (float64, on the device), or 0.0 when no gradient was seen."""
-        if not self._local_sq:
-            return 0.0
-        return torch.stack(self._local_sq).sum().sqrt()
-
-    def reduced_digest(self) -> torch.Tensor | int:
-        """The reduced gradient's digest (on the device), or 0 when not checked."""
-        if not self._reduced:
-            return 0
-        return fp.combine(torch.stack([self._reduced[i] for i in sorted(self._reduced)]))
 
 
 def sq_norm(t: torch.Tensor) -> torch.Tensor:

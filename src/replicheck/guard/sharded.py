@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from replicheck import fingerprint as fp
 from replicheck.guard.errors import GuardConfigError
-from replicheck.guard.health import ReducedHook, sq_norm
+from replicheck.guard.health import GradStats, sq_norm
 from replicheck.guard.probe import Capture
 
 
@@ -139,18 +139,15 @@ class _UnitReduceScatter(ReduceScatter):
 TapMode = Literal["train", "probe"]
 
 
-class GradTap:
+class GradTap(GradStats):
     """The guard's view of a sharded model's gradients, one step at a time.
 
-    Implements the per-step gradient-statistics interface the guard reads from DDP's comm hook
-    (``reset``, ``local_norm``, ``reduced_digest``, ``errors``): the local norm is summed over
-    every reduce-scatter input of the step's training passes, the reduced digest (HSDP only,
+    The same per-step statistics the guard reads from DDP's comm hook: the local norm is summed
+    over every reduce-scatter input of the step's training passes, the reduced digest (HSDP only,
     where replica groups hold the same reduced shard) over every reduced shard.
     """
 
     def __init__(self, model: torch.nn.Module, *, digest_reduced: bool) -> None:
-        self.digest_reduced = digest_reduced
-        self.reduced_hooks: list[ReducedHook] = []
         self._mode: TapMode = "train"
         self.pre_scale = 1.0
         """Factor this rank's gradient is multiplied by before a training reduce-scatter (a
@@ -160,29 +157,15 @@ class GradTap:
         self.units: list[str] = []
         """The ``fully_shard`` units of the last probe pass, in the order their gradients came
         (what each entry of a sharded fingerprint covers)."""
-        self.reset()
+        super().__init__(digest_reduced)
         for name, unit in fsdp_modules(model):
             unit.set_custom_reduce_scatter(_UnitReduceScatter(self, name))
             unit.set_all_reduce_hook(self._after_reduce)
 
     def reset(self) -> None:
         """Start a step."""
-        self._local_sq: list[torch.Tensor] = []
-        self._reduced: list[torch.Tensor] = []
+        super().reset()
         self._index = 0
-        self.errors: list[Exception] = []
-
-    def local_norm(self) -> torch.Tensor | float:
-        """This rank's gradient norm over the step's training passes (on the device), or 0.0."""
-        if not self._local_sq:
-            return 0.0
-        return torch.stack(self._local_sq).sum().sqrt()
-
-    def reduced_digest(self) -> torch.Tensor | int:
-        """Digest of the reduced shards this rank received in the step, or 0 when not checked."""
-        if not self._reduced:
-            return 0
-        return fp.combine(torch.stack(self._reduced))
 
     @contextlib.contextmanager
     def capturing(self, capture: Capture) -> Iterator[list[torch.Tensor]]:
@@ -224,13 +207,9 @@ class GradTap:
         if self._mode == "probe":
             return
         index, self._index = self._index, self._index + 1
-        for hook in self.reduced_hooks:
-            try:
-                hook(index, reduced)
-            except Exception as exc:  # noqa: BLE001 - reported through the step's row
-                self.errors.append(exc)
+        self._run_hooks(index, reduced)
         if self.digest_reduced:
-            self._reduced.append(fp.digest(reduced))
+            self._reduced[index] = fp.digest(reduced)
 
 
 @contextlib.contextmanager
