@@ -1,5 +1,5 @@
 """fp16 autocast with a dynamic loss scaler (``torch.amp.GradScaler``) under the guard (issue 16,
-mixed precision on DDP): an overflow the scaler skips is no incident when another rank reproduces
+mixed precision on DDP and FSDP2): an overflow the scaler skips is no incident when another rank reproduces
 it, every rank skips it exactly as the scaler does, the applied updates equal the plain loop's,
 and an overflow that only one rank sees and no other can reproduce is corruption, named."""
 
@@ -44,11 +44,29 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1))
 
 
-def _equality_job(ctx: RankContext, poison: bool) -> dict[str, Any]:
-    plain = DistributedDataParallel(_model())
+def _wrapped(parallel: str, world_size: int) -> nn.Module:
+    """The model under DDP, or sharded with FSDP2 (each layer, then the root)."""
+    if parallel == "ddp":
+        return DistributedDataParallel(_model())
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model, mesh = _model(), init_device_mesh("cpu", (world_size,))
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t  # type: ignore[no-any-return]
+
+
+def _equality_job(ctx: RankContext, poison: bool, parallel: str) -> dict[str, Any]:
+    plain = _wrapped(parallel, ctx.world_size)
     plain_opt = torch.optim.SGD(plain.parameters(), lr=0.05)
     plain_scaler = torch.amp.GradScaler("cpu", **SCALER)
-    guarded = DistributedDataParallel(_model())
+    guarded = _wrapped(parallel, ctx.world_size)
     opt = torch.optim.SGD(guarded.parameters(), lr=0.05)
     scaler = torch.amp.GradScaler("cpu", **SCALER)
     guard = Guard(
@@ -77,7 +95,7 @@ def _equality_job(ctx: RankContext, poison: bool) -> dict[str, Any]:
         if result.skipped:
             skipped.append(s)
     diffs = [
-        float((a - b).norm() / b.norm())
+        float((_whole(a) - _whole(b)).norm() / _whole(b).norm())
         for a, b in zip(guarded.parameters(), plain.parameters(), strict=True)
     ]
     return {
@@ -90,13 +108,16 @@ def _equality_job(ctx: RankContext, poison: bool) -> dict[str, Any]:
 
 
 @pytest.mark.timeout(200)
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 @pytest.mark.parametrize("poison", [False, True])
-def test_scaler_overflows_are_skipped_like_the_plain_loop_without_an_incident(poison: bool) -> None:
+def test_scaler_overflows_are_skipped_like_the_plain_loop_without_an_incident(
+    poison: bool, parallel: str
+) -> None:
     """Every-rank overflows (step 0 and whenever the scale grows back) and, with ``poison``, a
     one-rank overflow that another rank reproduces (a far-off label at step 2): no incident, every
-    rank skips exactly the steps the plain scaler loop skips, the scale follows the plain loop's,
-    and the weights after 12 steps equal the plain loop's within 1e-6 relative."""
-    results = run_local(_equality_job, node_names(3, 1), args=(poison,), timeout=180)
+    rank skips exactly the steps the plain scaler loop (DDP, or FSDP2) skips, the scale follows the
+    plain loop's, and the weights after 12 steps equal the plain loop's within 1e-6 relative."""
+    results = run_local(_equality_job, node_names(3, 1), args=(poison, parallel), timeout=180)
     for r in results:
         assert r["scales"] == r["plain_scales"]
         assert r["skipped"] == r["plain_skipped"]
@@ -106,8 +127,8 @@ def test_scaler_overflows_are_skipped_like_the_plain_loop_without_an_incident(po
     assert all(r["scales"] == results[0]["scales"] for r in results)
 
 
-def _fault_job(ctx: RankContext) -> dict[str, Any] | None:
-    model = DistributedDataParallel(_model())
+def _fault_job(ctx: RankContext, parallel: str) -> dict[str, Any] | None:
+    model = _wrapped(parallel, ctx.world_size)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1000)
     guard = Guard(
@@ -130,10 +151,12 @@ def _fault_job(ctx: RankContext) -> dict[str, Any] | None:
 
 
 @pytest.mark.timeout(200)
-def test_an_overflow_only_one_rank_sees_is_corruption_named_on_that_rank() -> None:
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_an_overflow_only_one_rank_sees_is_corruption_named_on_that_rank(parallel: str) -> None:
     """An inf in one rank's weight gradient that its peer cannot reproduce from the same passes is
-    not a scaler overflow: every rank raises CorruptionDetected at that step naming rank 1."""
-    results = run_local(_fault_job, node_names(3, 1), timeout=180)
+    not a scaler overflow: every rank raises CorruptionDetected at that step naming rank 1 (under
+    DDP, and under FSDP2 where the check is in the reduce-scatter)."""
+    results = run_local(_fault_job, node_names(3, 1), args=(parallel,), timeout=180)
     inc = results[0]
     assert inc is not None and all(r == inc for r in results)
     assert (inc["step"], inc["check"]) == (3, "gradients")

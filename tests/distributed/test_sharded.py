@@ -11,7 +11,7 @@ import guard_faults as gf
 import pytest
 import torch
 
-from replicheck.guard import Guard, GuardConfig, GuardConfigError, PeerFailed, current_step
+from replicheck.guard import Guard, GuardConfig, PeerFailed, current_step
 from replicheck.harness.jobs import JobResult, JobSpec, full_state, shard, train
 from replicheck.harness.launch import RankContext, node_names, run_local
 from replicheck.harness.workloads import (
@@ -267,21 +267,3 @@ def test_error_on_one_rank_ends_every_sharded_rank(where: str, failing: int, err
     ):
         assert outcome == (error if rank == failing else "PeerFailed"), (rank, outcome)
         assert step == 2 and seconds < 30
-
-
-def _refused(ctx: RankContext) -> str:
-    model = shard(make_model(TINY), ctx.world_size)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    try:
-        Guard(model, opt, lm_loss, node=ctx.node, scaler=torch.amp.GradScaler("cpu"))
-    except GuardConfigError as exc:
-        return str(exc)
-    return "accepted"
-
-
-@pytest.mark.timeout(120)
-def test_loss_scaler_with_fsdp_is_refused_with_what_to_do() -> None:
-    """A GradScaler with a fully_shard model is refused (not yet supported) and the message says
-    what to use instead."""
-    for message in run_local(_refused, node_names(2, 1), timeout=60):
-        assert "not supported" in message and "bf16" in message

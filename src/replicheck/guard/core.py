@@ -108,7 +108,7 @@ class Guard:
         self._ddp_model = model if isinstance(model, DistributedDataParallel) else None
         self._module: torch.nn.Module = self._ddp_model.module if self._ddp_model is not None else model
         check_model(self._ddp_model, self._module)
-        self._layout = sharded.checked_layout(model, scaler) if sharded.is_sharded(model) else None
+        self._layout = sharded.ShardLayout.of(model) if sharded.is_sharded(model) else None
         self._comm = Comm(self._ddp_model.process_group if self._ddp_model is not None else None)
         named = self._checked_params()
         self._params = [p for _, p in named]
@@ -350,9 +350,11 @@ class Guard:
 
     def _optimizer_digest(self) -> torch.Tensor:
         """The optimizer state's digest, with the loss scaler's state when there is one."""
-        if self._layout is not None:
-            return sharded.optimizer_digest(self._optimizer)
-        digest = fp.optimizer_digest_tensor(self._optimizer)
+        digest = (
+            sharded.optimizer_digest(self._optimizer)
+            if self._layout is not None
+            else fp.optimizer_digest_tensor(self._optimizer)
+        )
         if self._scaler is None:
             return digest
         return fp.combine(torch.stack([digest, scaling.state_digest(self._scaler).to(digest.device)]))

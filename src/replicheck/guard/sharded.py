@@ -226,16 +226,6 @@ def gradient_sync(model: torch.nn.Module, sync: bool) -> Iterator[None]:
         model.set_requires_gradient_sync(True)
 
 
-def checked_layout(model: torch.nn.Module, scaler: object) -> ShardLayout:
-    """The layout of a sharded model the guard can check; refuses what it cannot yet."""
-    if scaler is not None:
-        raise GuardConfigError(
-            "a loss scaler (scaler=) with a fully_shard model is not supported yet: use bf16 autocast "
-            "(no scaler needed) with FSDP2, or DDP for fp16 with GradScaler"
-        )
-    return ShardLayout.of(model)
-
-
 def collectives_of_forward(model: torch.nn.Module) -> None:
     """Take part in a forward's parameter all-gathers without running it (unit by unit, in the
     order FSDP runs them), for a rank whose loss function failed before it called the model."""
