@@ -95,3 +95,32 @@ def test_sharded_checkpoint_into_a_ddp_model_is_a_clear_mismatch(tmp_path: Path)
     for message in run_local(_mismatch, node_names(2, 1), args=(str(ckdir),), timeout=60):
         assert "sharded" in message and "does not load" in message
     assert sorted(p.name for p in ckdir.iterdir()) == before
+
+
+def _one_rank_refuses(ctx: Any, ckdir: str) -> int:
+    from replicheck.checkpoint import sharded
+    from replicheck.checkpoint.errors import CheckpointCorrupt
+    from replicheck.harness.jobs import build
+
+    model, opt = build(JobSpec(model=MODEL, parallel="fsdp"), ctx)
+    if ctx.rank == 1:
+        real = sharded.verify
+
+        def flaky(path: Path, manifest: Any) -> None:
+            if manifest.step == 15:
+                raise CheckpointCorrupt("this rank read different bytes")
+            real(path, manifest)
+
+        sharded.verify = flaky  # type: ignore[assignment]
+    store = CheckpointStore(ckdir)
+    with pytest.warns(Warning):
+        return store.load(store.checkpoints()[-1], model, opt, retire_newer=False)
+
+
+@pytest.mark.timeout(300)
+def test_a_candidate_one_rank_refuses_is_refused_on_every_rank(tmp_path: Path) -> None:
+    """When only rank 1 finds the newest sharded checkpoint bad, every rank refuses it and restores
+    the next older one together (the restore is collective: no rank is left waiting)."""
+    ckdir = tmp_path / "ck"
+    _run("fsdp", 3, checkpoint_dir=str(ckdir), checkpoint_every=5)
+    assert run_local(_one_rank_refuses, node_names(3, 1), args=(str(ckdir),), timeout=120) == [10, 10, 10]

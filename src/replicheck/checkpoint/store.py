@@ -503,18 +503,29 @@ class CheckpointStore:
         refused: list[str] = []
         candidates = [ckpt, *older]
         for i, cand in enumerate(candidates):
+            read: tuple[Manifest, dict[str, Any]] | None = None
+            problem: str | None = None
             try:
-                manifest, payload = read_verified(
+                read = read_verified(
                     cand, model, read_manifest=self._read_manifest, check_payload=self._check_payload
                 )
             except (CheckpointCorrupt, ManifestError) as exc:
-                message = f"{cand.path}: {exc}"
+                problem = str(exc)
+            if cand.manifest.sharded:
+                # Restoring shards is collective: every rank refuses a candidate any rank refused.
+                verdicts = Comm().gather_objects(problem)
+                problem = problem or next(
+                    (f"refused on rank {r}: {p}" for r, p in enumerate(verdicts) if p), None
+                )
+            if read is None or problem is not None:
+                message = f"{cand.path}: {problem}"
                 refused.append(message)
                 more = i + 1 < len(candidates)
                 self._refuse(
                     message + ("; trying the next older checkpoint" if more else "; no older checkpoint left")
                 )
                 continue
+            manifest, payload = read
             restore(cand, manifest, payload, model, optimizer)
             chosen = dataclasses.replace(cand, manifest=manifest)
             self.loaded = Loaded(checkpoint=chosen, extra=payload.get("extra"), refused=tuple(refused))
