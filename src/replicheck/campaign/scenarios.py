@@ -403,7 +403,7 @@ def sharded_scenarios(fwd: Fault, wgrad: Fault) -> list[Scenario]:
 
 
 def fp16_scenarios() -> list[Scenario]:
-    """Rows on fp16 autocast with a dynamic loss scaler (DDP)."""
+    """Rows on fp16 autocast with a dynamic loss scaler (DDP, and one on FSDP2)."""
     return [
         Scenario(
             name="fp16-scaler-clean",
@@ -418,6 +418,16 @@ def fp16_scenarios() -> list[Scenario]:
             fault=Fault.at_weight_gradient(_WGRAD).persistent(from_step=23).inf(),
             loss="lm_fp16",
             note="an overflow another rank cannot reproduce is corruption, named",
+        ),
+        Scenario(
+            name="fsdp-fp16-scaler-inf",
+            title="FSDP2, fp16 + GradScaler: inf in one rank's weight gradient from step 23",
+            fault=Fault.at_weight_gradient(_WGRAD).persistent(from_step=23).inf(),
+            loss="lm_fp16",
+            parallel="fsdp",
+            nodes=3,
+            gpus_per_node=1,
+            note="checked in the reduce-scatter, before the inf reaches every rank's shard",
         ),
     ]
 
