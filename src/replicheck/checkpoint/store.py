@@ -105,6 +105,10 @@ class _Lineage:
     replicas_checked: bool
     world_size: int
 
+    def fields(self) -> dict[str, Any]:
+        """The manifest fields it fills."""
+        return dataclasses.asdict(self)
+
 
 def _check_extra(value: Any, where: str = "extra") -> None:
     """``extra`` must load under ``torch.load(weights_only=True)``: plain containers, scalars, tensors."""
@@ -270,30 +274,23 @@ class CheckpointStore:
         self, step: int, staged: Path, extra: Any, lineage: _Lineage, digests: tuple[str, str, int]
     ) -> Manifest:
         """The writer's part of a sharded save: ``extra``, the manifest, the atomic commit."""
-        try:
+
+        def manifest() -> Manifest:
             if extra is not None:
                 atomic.write_file(staged / sharded.EXTRA_NAME, lambda fh: torch.save(extra, fh))
             weights, opt, count = digests
-            manifest = sharded.manifest_for(
+            return sharded.manifest_for(
                 staged,
                 dict(
                     step=step,
                     weights_digest=weights,
                     optimizer_digest=opt,
-                    last_verified_step=lineage.last_verified_step,
-                    verify_every=lineage.verify_every,
                     num_params=count,
-                    world_size=lineage.world_size,
-                    replicas_checked=lineage.replicas_checked,
+                    **lineage.fields(),
                 ),
             )
-            self._publish(staged, manifest)
-        except BaseException:
-            if staged.exists():
-                atomic.remove_tree(staged)
-            raise
-        self._retain(manifest)
-        return manifest
+
+        return self._publish(staged, manifest)
 
     def _lineage_verified(self, guard_verified: int | None) -> int | None:
         if guard_verified is not None:
@@ -323,35 +320,38 @@ class CheckpointStore:
             "extra": extra,
         }
         staged = atomic.staging_dir(self.directory, _dir_name(step))
-        try:
+
+        def manifest() -> Manifest:
             atomic.write_file(staged / PAYLOAD_NAME, lambda fh: torch.save(payload, fh))
             sha, size = atomic.sha256_file(staged / PAYLOAD_NAME)
-            manifest = Manifest(
+            return Manifest(
                 step=step,
                 weights_digest=digest_hex(fp.weights_digest(params)),
                 optimizer_digest=digest_hex(fp.optimizer_digest(opt_state["state"])),
-                last_verified_step=lineage.last_verified_step,
-                verify_every=lineage.verify_every,
                 payload_sha256=sha,
                 payload_bytes=size,
                 num_params=len(params),
-                world_size=lineage.world_size,
-                replicas_checked=lineage.replicas_checked,
+                **lineage.fields(),
             )
-            self._publish(staged, manifest)
+
+        return self._publish(staged, manifest)
+
+    def _publish(self, staged: Path, make: Callable[[], Manifest]) -> Manifest:
+        """Finish a staged checkpoint (``make`` writes what is left and returns its manifest),
+        write the manifest, commit it under its step's name (an older checkpoint of the same or a
+        later step moves to ``superseded/`` first) and apply retention; any failure removes the
+        staging directory."""
+        try:
+            manifest = make()
+            atomic.write_file(staged / MANIFEST_NAME, lambda fh: _write_all(fh, manifest.to_json().encode()))
+            self._supersede(lambda s: s >= manifest.step)
+            atomic.commit(staged, self.directory / _dir_name(manifest.step))
         except BaseException:
             if staged.exists():
                 atomic.remove_tree(staged)
             raise
         self._retain(manifest)
         return manifest
-
-    def _publish(self, staged: Path, manifest: Manifest) -> None:
-        """Write the manifest into a fully staged checkpoint and commit it under its step's name
-        (an older checkpoint of the same or a later step moves to ``superseded/`` first)."""
-        atomic.write_file(staged / MANIFEST_NAME, lambda fh: _write_all(fh, manifest.to_json().encode()))
-        self._supersede(lambda s: s >= manifest.step)
-        atomic.commit(staged, self.directory / _dir_name(manifest.step))
 
     def _supersede(self, newer: Callable[[int], bool]) -> list[Path]:
         """Move checkpoints of an abandoned timeline into ``superseded/`` (kept for forensics)."""
