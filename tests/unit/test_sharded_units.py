@@ -49,3 +49,23 @@ def test_fingerprint_parts_join_to_the_fingerprint_of_the_list(mode: str) -> Non
     part = fpr.part(seed=11)
     joined = fpr.join([part(t, i) for i, t in enumerate(grads)])
     assert torch.equal(joined, fpr(grads, 11))
+
+
+def test_shard_digest_leaves_out_what_replicas_hold_differently_as_ddp_does() -> None:
+    """The sharded weights digest covers the same tensors as DDP's replicated digest: running
+    BatchNorm statistics (each replica group updates its own) and per-rank buffers do not change
+    it, a parameter does."""
+    from replicheck import fingerprint as fp
+    from replicheck.guard.sharded import weights_digest
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    model.register_buffer("seen", torch.zeros(1))
+    before = int(weights_digest(model, ["seen"]))
+    assert before == int(fp.model_digest_tensor(model, "replicated", per_rank=["seen"]))
+    model(torch.randn(5, 3))  # updates the running statistics
+    model.seen += 1
+    assert int(weights_digest(model, ["seen"])) == before
+    with torch.no_grad():
+        model[0].weight[0, 0] += 1.0
+    assert int(weights_digest(model, ["seen"])) != before

@@ -89,29 +89,20 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 
 def weights_digest(model: torch.nn.Module, per_rank: Sequence[str] = ()) -> torch.Tensor:
-    """Digest of this rank's parameter shards and the buffers replicas share (on the device)."""
-    skip = set(per_rank)
-    tensors = [local(p.detach()) for _, p in model.named_parameters()]
-    tensors += [b for n, b in model.named_buffers() if n.rsplit(".", 1)[-1] not in skip]
-    return fp.combine(fp.digests(tensors))
+    """:func:`fingerprint.model_digest_tensor` of ``model``'s ``replicated`` state (the same
+    tensors: normalisation statistics and ``per_rank`` buffers left out), over this rank's shards."""
+    return fp.weights_digest_tensor(
+        local(t.detach()) for _, t in fp.named_state(model, "replicated", per_rank=per_rank)
+    )
 
 
 def optimizer_digest(optimizer: torch.optim.Optimizer) -> torch.Tensor:
-    """Digest of this rank's shards of the optimizer state (step counters as numbers)."""
-    parts: list[torch.Tensor] = []
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            state = optimizer.state.get(p, {})
-            for key in sorted(state):
-                v = state[key]
-                if isinstance(v, torch.Tensor):
-                    parts.append(local(v).detach().reshape(-1))
-                else:
-                    parts.append(torch.tensor([float(v)], dtype=torch.float64))
-    if not parts:
-        return torch.zeros((), dtype=torch.int64)
-    device = next((t.device for t in parts if t.device.type != "cpu"), torch.device("cpu"))
-    return fp.combine(fp.digests([t.to(device) for t in parts]))
+    """:func:`fingerprint.optimizer_digest_tensor` over this rank's shards of the optimizer state."""
+    state = {
+        i: {k: local(v) if isinstance(v, torch.Tensor) else v for k, v in optimizer.state.get(p, {}).items()}
+        for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])
+    }
+    return fp.optimizer_digest_tensor(state)
 
 
 class _UnitReduceScatter(ReduceScatter):
