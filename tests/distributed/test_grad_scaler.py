@@ -1,7 +1,8 @@
 """fp16 autocast with a dynamic loss scaler (``torch.amp.GradScaler``) under the guard (issue 16,
-mixed precision on DDP and FSDP2): an overflow the scaler skips is no incident when another rank reproduces
-it, every rank skips it exactly as the scaler does, the applied updates equal the plain loop's,
-and an overflow that only one rank sees and no other can reproduce is corruption, named."""
+mixed precision on DDP, FSDP2 and HSDP): an overflow the scaler skips is no incident when another
+rank reproduces it, every rank skips it exactly as the scaler does, the applied updates equal the
+plain loop's, and an overflow that only one rank sees and no other can reproduce is corruption,
+named."""
 
 from __future__ import annotations
 
@@ -45,13 +46,18 @@ def _model() -> nn.Module:
 
 
 def _wrapped(parallel: str, world_size: int) -> nn.Module:
-    """The model under DDP, or sharded with FSDP2 (each layer, then the root)."""
+    """The model under DDP, or sharded with FSDP2 (each layer, then the root) on a 1-D mesh, or
+    with HSDP: the same on a 2-D mesh of two replica groups, each sharding over half the ranks."""
     if parallel == "ddp":
         return DistributedDataParallel(_model())
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    model, mesh = _model(), init_device_mesh("cpu", (world_size,))
+    model = _model()
+    if parallel == "hsdp":
+        mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh("cpu", (world_size,))
     for layer in (model[0], model[2]):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -107,17 +113,22 @@ def _equality_job(ctx: RankContext, poison: bool, parallel: str) -> dict[str, An
     }
 
 
+# DDP and FSDP2 on 3 ranks; HSDP on a 2×2 mesh (two replica groups of two shards).
+PARALLEL = [("ddp", 3), ("fsdp", 3), ("hsdp", 4)]
+
+
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+@pytest.mark.parametrize(("parallel", "ranks"), PARALLEL)
 @pytest.mark.parametrize("poison", [False, True])
 def test_scaler_overflows_are_skipped_like_the_plain_loop_without_an_incident(
-    poison: bool, parallel: str
+    poison: bool, parallel: str, ranks: int
 ) -> None:
     """Every-rank overflows (step 0 and whenever the scale grows back) and, with ``poison``, a
     one-rank overflow that another rank reproduces (a far-off label at step 2): no incident, every
-    rank skips exactly the steps the plain scaler loop (DDP, or FSDP2) skips, the scale follows the
-    plain loop's, and the weights after 12 steps equal the plain loop's within 1e-6 relative."""
-    results = run_local(_equality_job, node_names(3, 1), args=(poison, parallel), timeout=180)
+    rank skips exactly the steps the plain scaler loop (DDP, FSDP2, or HSDP 2×2) skips, the scale
+    follows the plain loop's, and the weights after 12 steps equal the plain loop's within 1e-6
+    relative."""
+    results = run_local(_equality_job, node_names(ranks, 1), args=(poison, parallel), timeout=180)
     for r in results:
         assert r["scales"] == r["plain_scales"]
         assert r["skipped"] == r["plain_skipped"]
@@ -151,12 +162,12 @@ def _fault_job(ctx: RankContext, parallel: str) -> dict[str, Any] | None:
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
-def test_an_overflow_only_one_rank_sees_is_corruption_named_on_that_rank(parallel: str) -> None:
+@pytest.mark.parametrize(("parallel", "ranks"), PARALLEL)
+def test_an_overflow_only_one_rank_sees_is_corruption_named_on_that_rank(parallel: str, ranks: int) -> None:
     """An inf in one rank's weight gradient that its peer cannot reproduce from the same passes is
     not a scaler overflow: every rank raises CorruptionDetected at that step naming rank 1 (under
-    DDP, and under FSDP2 where the check is in the reduce-scatter)."""
-    results = run_local(_fault_job, node_names(3, 1), args=(parallel,), timeout=180)
+    DDP, and under FSDP2 and HSDP 2×2 where the check is in the reduce-scatter)."""
+    results = run_local(_fault_job, node_names(ranks, 1), args=(parallel,), timeout=180)
     inc = results[0]
     assert inc is not None and all(r == inc for r in results)
     assert (inc["step"], inc["check"]) == (3, "gradients")
