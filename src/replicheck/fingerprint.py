@@ -91,6 +91,12 @@ def _signs(block: int, k: int, seed: int, device: torch.device, dtype: torch.dty
     return ((h >> 62) & 2).to(dtype) - 1
 
 
+def sign_matrix(block: int, k: int, seed: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """The ``block × k`` ±1 matrix the sketches project with (the same on every rank and device
+    for the same arguments)."""
+    return _signs(block, k, seed, device, dtype)
+
+
 def _sketch_rows(t: torch.Tensor | None, index: int, seed: int, k: int, block: int) -> torch.Tensor:
     """Rows ``[index, values, norm, projection × k]`` of each block of ``t`` (float64, on its device)."""
     if t is None:

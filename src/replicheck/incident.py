@@ -28,10 +28,17 @@ unsupported (upgrade the controller first). Nothing else changed: version 1 is s
 READABLE_VERSIONS: tuple[int, ...] = (1, 2)
 """Versions this build reads."""
 
-Check = Literal["replay", "gradients", "reduced_gradients", "weights", "optimizer_state"]
+Check = Literal["replay", "gradients", "reduced_gradients", "weights", "optimizer_state", "optimizer_update"]
 Classification = Literal["persistent", "transient", "ambiguous", "data", "divergence"]
 
-CHECKS: tuple[Check, ...] = ("replay", "gradients", "reduced_gradients", "weights", "optimizer_state")
+CHECKS: tuple[Check, ...] = (
+    "replay",
+    "gradients",
+    "reduced_gradients",
+    "weights",
+    "optimizer_state",
+    "optimizer_update",
+)
 CLASSIFICATIONS: tuple[Classification, ...] = ("persistent", "transient", "ambiguous", "data", "divergence")
 """``persistent``: the suspect gives the same wrong answer when it re-runs its work (hardware).
 ``transient``: its re-run differs (a one-off fault; triage). ``ambiguous``: the evidence could not
@@ -126,7 +133,8 @@ class Incident:
     step: int
     """The step whose update was stopped."""
     check: Check
-    """The check that fired first: replay, gradients, reduced_gradients, weights, optimizer_state."""
+    """The check that fired first: replay, gradients, reduced_gradients, weights, optimizer_state,
+    optimizer_update (plain FSDP2: a rank's update of its shard, replayed by another rank)."""
     suspect_ranks: tuple[int, ...]
     """Global ranks named; empty when the verdict is ambiguous."""
     suspect_nodes: tuple[str, ...]

@@ -114,15 +114,23 @@ def with_noise(ctx: RankContext, model: Any, opt: Any, guard: Guard, *, rel: flo
 
 
 def optimizer_fault(
-    ctx: RankContext, model: Any, opt: torch.optim.Optimizer, guard: Guard, *, rank: int, at: int
+    ctx: RankContext,
+    model: Any,
+    opt: torch.optim.Optimizer,
+    guard: Guard,
+    *,
+    rank: int,
+    at: int,
+    persistent: bool = False,
 ) -> None:
-    """After ``rank``'s optimizer update of step ``at``, nudge one weight (a corrupted update)."""
+    """After ``rank``'s optimizer update of step ``at`` (and of every later step when
+    ``persistent``), nudge one weight (a corrupted update)."""
     if ctx.rank != rank:
         return
     weight = _bare(model).blocks[0].ffn.up.weight
 
     def post(optimizer: Any, args: Any, kwargs: Any) -> None:
-        if current_step() == at:
+        if current_step() == at or (persistent and current_step() > at):
             with torch.no_grad():
                 _stored(weight).view(-1)[3] += 0.01
 
@@ -139,6 +147,24 @@ def reduced_fault(ctx: RankContext, model: Any, opt: Any, guard: Guard, *, rank:
             t.view(-1)[5] += 1e-3
 
     guard.add_reduced_gradient_hook(hook)
+
+
+def reduce_scatter_fault(ctx: RankContext, model: Any, opt: Any, guard: Guard, *, rank: int, at: int) -> None:
+    """Corrupt the output of ``rank``'s first reduce-scatter of step ``at`` inside the collective
+    call itself (before FSDP's hooks see it): a reduction that delivered a wrong sum."""
+    if ctx.rank != rank:
+        return
+    real = torch.distributed.reduce_scatter_single
+    done: set[int] = set()
+
+    def wrapped(output: torch.Tensor, input: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        work = real(output, input, *args, **kwargs)
+        if current_step() == at and current_pass() == "train" and at not in done:
+            done.add(at)
+            output.view(-1)[2] += 1.0
+        return work
+
+    torch.distributed.reduce_scatter_single = wrapped  # type: ignore[assignment]
 
 
 def nan_on_single_sample(

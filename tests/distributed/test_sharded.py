@@ -126,6 +126,47 @@ def test_hsdp_state_faults_need_a_majority_of_replica_groups(fault: str, check: 
     assert three["suspect_ranks"] == [1]
 
 
+@pytest.mark.timeout(240)
+def test_fsdp_reduced_gradient_changed_after_the_reduce_scatter_is_named() -> None:
+    """Plain FSDP2 (3 ranks): rank 1's reduced gradient shard changed after the reduce-scatter
+    (step 7) differs from the sum of every rank's input; rank 1 is named in that step."""
+    setup = functools.partial(gf.reduced_fault, rank=1, at=7)
+    inc = incident(run(spec("fsdp", steps=10, setup=setup), 3))
+    assert (inc["step"], inc["check"]) == (7, "reduced_gradients")
+    assert inc["suspect_ranks"] == [1]
+    assert inc["evidence"]["reduced_gradients"]["reduce_scatter"][1] == "changed after the reduce-scatter"
+
+
+@pytest.mark.timeout(240)
+def test_fsdp_wrong_reduce_scatter_output_is_ambiguous() -> None:
+    """Plain FSDP2 (3 ranks): a reduce-scatter that delivers a wrong sum to rank 1 (step 7) stops
+    the step; the reduction runs through every rank, so the incident names none (ambiguous)."""
+    setup = functools.partial(gf.reduce_scatter_fault, rank=1, at=7)
+    inc = incident(run(spec("fsdp", steps=10, setup=setup), 3))
+    assert (inc["step"], inc["check"]) == (7, "reduced_gradients")
+    assert inc["suspect_ranks"] == [] and inc["classification"] == "ambiguous"
+    assert [c["rank"] for c in inc["candidates"]] == [0, 1, 2]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("ranks", "named"), [(3, True), (2, False)])
+def test_fsdp_optimizer_update_fault_is_replayed_named_and_undone(ranks: int, named: bool) -> None:
+    """Plain FSDP2: a corrupted optimizer update on rank 1 from step 7 disagrees with the ring
+    verifier's replay at step 10; a third rank's replay names rank 1 (persistent), with two ranks
+    it is ambiguous; either way every rank's step-10 update is undone (state equals step 9's)."""
+    setup = functools.partial(gf.optimizer_fault, rank=1, at=7, persistent=True)
+    results = run(spec("fsdp", steps=20, setup=setup, keep_state=True), ranks)
+    inc = incident(results)
+    assert (inc["step"], inc["check"]) == (10, "optimizer_update")
+    if named:
+        assert inc["suspect_ranks"] == [1] and inc["classification"] == "persistent"
+    else:
+        assert inc["suspect_ranks"] == [] and [c["rank"] for c in inc["candidates"]] == [0, 1]
+    before = run(spec("fsdp", steps=10, setup=setup, keep_state=True), ranks)
+    assert before[0].incident is None and before[0].last_step == 9
+    assert all(torch.equal(v, before[0].state[k]) for k, v in results[0].state.items())  # type: ignore[index, union-attr]
+
+
 def _plain_steps(
     model: torch.nn.Module, opt: torch.optim.Optimizer, loss: str, micro: int, rank: int
 ) -> None:

@@ -50,6 +50,7 @@ from replicheck.guard.support import (
     step_gate,
     unwrap_compiled,
 )
+from replicheck.guard.update import UpdateReplay, replayable
 from replicheck.guard.verdict import Finding
 from replicheck.guard.wire import HostRow, ProbePayload, StepRow
 from replicheck.incident import NodeIdentity
@@ -126,7 +127,11 @@ class Guard:
         self._health: GradHealth | sharded.GradTap = (
             GradHealth(self._comm.group, digest_reduced=cfg.check_reduced and self.world_size > 1)
             if self._layout is None
-            else sharded.GradTap(model, digest_reduced=cfg.check_reduced and self._layout.replicas > 1)
+            else sharded.GradTap(
+                model,
+                digest_reduced=cfg.check_reduced and self._layout.replicas > 1,
+                check_scatter=cfg.check_reduced and self._layout.replicas == 1 and self.world_size > 1,
+            )
         )
         self._judge = StepJudge(
             cfg,
@@ -136,6 +141,7 @@ class Guard:
             self._recompute,
             self._device,
             digest_reduced=self._health.digest_reduced,
+            scatter_checked=isinstance(self._health, sharded.GradTap) and self._health.scatter is not None,
             loss_scale=self._scaler.get_scale if self._scaler is not None else None,
             replica_groups=self._layout.groups_of(self.world_size) if self._layout is not None else None,
         )
@@ -148,6 +154,7 @@ class Guard:
         else:
             self._health.peer_failed = self._fail.flags.any_failed
             self._fail.hooked = self._install_comm_hook(self._health)
+        self._updates = self._update_replay(optimizer)
         if cfg.mode == "exact" and not cfg.use_deterministic:
             log.warning("exact mode without deterministic kernels: a replay may differ by kernel noise")
         self._gate = step_gate(optimizer)
@@ -201,6 +208,23 @@ class Guard:
         if not named:
             raise GuardConfigError("the model has no trainable parameters")
         return named
+
+    def _update_replay(self, optimizer: torch.optim.Optimizer) -> UpdateReplay | None:
+        """Plain FSDP2: the ring's replay of each rank's optimizer update (no replica holds it)."""
+        if self._layout is None or self._layout.replicas > 1 or self.world_size < 2:
+            return None
+        if not self._config.replay_update:
+            return None
+        if not replayable(optimizer):
+            log.warning(
+                "plain FSDP2 with %s: its update cannot be replayed shard by shard, so a corrupted "
+                "optimizer update goes undetected (use HSDP with 3+ replica groups, or an "
+                "elementwise optimizer: %s)",
+                type(optimizer).__name__,
+                ", ".join(c.__name__ for c in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)),
+            )
+            return None
+        return UpdateReplay(optimizer, self._comm, self._ring)
 
     def _install_comm_hook(self, health: GradHealth) -> bool:
         """Check gradients inside DDP's all-reduce when the hook slot is free."""
@@ -311,6 +335,10 @@ class Guard:
             return self._skip_overflow(s, rows, check_replicas)
         if findings:
             self._raise(s, findings)
+        replay_update = verify and self._updates is not None
+        scaler_state = self._scaler.state_dict() if replay_update and self._scaler is not None else None
+        if replay_update and self._updates is not None:
+            self._updates.arm()
         self._gate.open = True
         try:
             with running(s, "optimizer"):
@@ -321,6 +349,8 @@ class Guard:
                     self._optimizer.step()
         finally:
             self._gate.open = False
+        if replay_update and self._updates is not None:
+            self._check_update(s, scaler_state)
         if verify:
             self.last_verified_step = s
             log.info("step %d verified (replay) on rank %d", s, self.rank)
@@ -330,6 +360,20 @@ class Guard:
         return StepResult(
             loss=float(rows[self.rank].loss), step=s, verified=verify, replicas_checked=check_replicas
         )
+
+    def _check_update(self, s: int, scaler_state: dict[str, Any] | None) -> None:
+        """Plain FSDP2: the ring replays every rank's update; a disputed one is undone on every
+        rank (with the scaler's update) before the incident is raised."""
+        if self._updates is None:
+            return
+        with running(s, "optimizer"):
+            finding = self._updates.check(s)
+        if finding is None:
+            return
+        self._updates.restore()
+        if self._scaler is not None and scaler_state is not None:
+            self._scaler.load_state_dict(scaler_state)
+        self._raise(s, [finding])
 
     def _skip_overflow(self, s: int, rows: Sequence[HostRow], check_replicas: bool) -> StepResult:
         """Every rank skips step ``s`` as the loss scaler does (:mod:`replicheck.guard.scaling`)."""

@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from replicheck.guard import replicas
+from replicheck.guard import replicas, scatter
 from replicheck.guard.attribution import Criterion, LocalView, PairOutcome, Replayer, resolve_replay
 from replicheck.guard.batch import to_device
 from replicheck.guard.comm import Comm
@@ -36,6 +36,7 @@ class StepJudge:
         device: torch.device,
         *,
         digest_reduced: bool,
+        scatter_checked: bool = False,
         loss_scale: Callable[[], float] | None = None,
         replica_groups: Sequence[Sequence[int]] | None = None,
     ) -> None:
@@ -43,6 +44,8 @@ class StepJudge:
         self._nodes = list(nodes)
         self._recompute, self._device = recompute, device
         self._digest_reduced = digest_reduced
+        self._scatter_checked = scatter_checked
+        """Plain FSDP2: the rows' ``reduced`` column carries each rank's reduce-scatter verdict."""
         self._loss_scale = loss_scale
         self._groups = replica_groups
         """Ranks that hold the same state (None: every rank, as in DDP)."""
@@ -92,6 +95,10 @@ class StepJudge:
             )
         if self._digest_reduced:
             f = replicas.group_finding("reduced_gradients", [r.reduced for r in rows], self._groups)
+            if f is not None:
+                findings.append(f)
+        if self._scatter_checked:
+            f = scatter.finding([int(r.reduced) for r in rows])
             if f is not None:
                 findings.append(f)
         if check_replicas:

@@ -28,6 +28,7 @@ from replicheck import fingerprint as fp
 from replicheck.guard.errors import GuardConfigError
 from replicheck.guard.health import GradStats, sq_norm
 from replicheck.guard.probe import Capture
+from replicheck.guard.scatter import ScatterCheck, supported
 
 
 def is_sharded(model: torch.nn.Module) -> bool:
@@ -138,8 +139,11 @@ class GradTap(GradStats):
     where replica groups hold the same reduced shard) over every reduced shard.
     """
 
-    def __init__(self, model: torch.nn.Module, *, digest_reduced: bool) -> None:
+    def __init__(self, model: torch.nn.Module, *, digest_reduced: bool, check_scatter: bool = False) -> None:
         self._mode: TapMode = "train"
+        self.scatter = ScatterCheck() if check_scatter else None
+        """Plain FSDP2: every training reduce-scatter checked against the sum of its inputs
+        (:mod:`replicheck.guard.scatter`); ``None`` when off or under HSDP (replicas vote)."""
         self.pre_scale = 1.0
         """Factor this rank's gradient is multiplied by before a training reduce-scatter (a
         ``LossSum`` step's division by its item count, after unreduced accumulation)."""
@@ -157,6 +161,14 @@ class GradTap(GradStats):
         """Start a step."""
         super().reset()
         self._index = 0
+        if self.scatter is not None:
+            self.scatter.reset()
+
+    def reduced_digest(self) -> torch.Tensor | int:
+        """HSDP: the reduced shards' digest; plain FSDP2 with the scatter check: its verdict."""
+        if self.scatter is not None:
+            return self.scatter.status()
+        return super().reduced_digest()
 
     @contextlib.contextmanager
     def capturing(self, capture: Capture) -> Iterator[list[torch.Tensor]]:
@@ -189,6 +201,9 @@ class GradTap(GradStats):
         if self.pre_scale != 1.0:
             buffer.mul_(self.pre_scale)
         self._local_sq.append(sq_norm(buffer))
+        if self.scatter is not None and supported(op):
+            self.scatter.reduce(output, buffer, group, op)  # synchronous, as FSDP2 calls it
+            return None
         work: dist.Work | None = dist.reduce_scatter_single(
             output, buffer, op=op, group=group, async_op=async_op
         )
@@ -199,6 +214,8 @@ class GradTap(GradStats):
             return
         index, self._index = self._index, self._index + 1
         self._run_hooks(index, reduced)
+        if self.scatter is not None:
+            self.scatter.after_hooks(reduced)
         if self.digest_reduced:
             self._reduced[index] = fp.digest(reduced)
 

@@ -10,7 +10,14 @@ from typing import Any
 from replicheck.incident import Check, Classification
 
 # Order in which failing checks are reported: the most direct evidence first.
-PRIORITY: tuple[Check, ...] = ("gradients", "reduced_gradients", "weights", "optimizer_state", "replay")
+PRIORITY: tuple[Check, ...] = (
+    "gradients",
+    "reduced_gradients",
+    "weights",
+    "optimizer_state",
+    "optimizer_update",
+    "replay",
+)
 
 
 @dataclass(frozen=True)
