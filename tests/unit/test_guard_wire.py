@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -92,3 +93,42 @@ def test_live_and_saved_optimizer_state_digest_alike() -> None:
     assert fp.optimizer_digest(opt) == fp.optimizer_digest(opt.state_dict()["state"])
     model.weight.requires_grad_(False)
     assert fp.model_digest(model, "all") != fp.model_digest(model, "trainable")
+
+
+class Pair(NamedTuple):
+    a: torch.Tensor
+    b: str
+
+
+def test_packed_tensors_of_every_dtype_and_layout_come_back_equal() -> None:
+    """Tensors of mixed dtypes (bool, bfloat16, int64, complex), 0-dim, empty and non-contiguous
+    ones, inside dicts, lists and named tuples, come back equal in dtype, shape and bits."""
+    base = torch.arange(24, dtype=torch.float32).view(4, 6)
+    sent = {
+        "t": base.t(),  # non-contiguous
+        "flags": torch.tensor([True, False, True]),
+        "half": torch.randn(5).to(torch.bfloat16),
+        "ids": [torch.tensor(7), torch.empty(0, 3, dtype=torch.int64)],
+        "z": Pair(a=torch.randn(3, dtype=torch.complex64), b="text"),
+        "n": 3.5,
+    }
+    got = unpack(pack(sent))
+    assert got["n"] == 3.5 and got["z"].b == "text" and isinstance(got["z"], Pair)
+    for a, b in [
+        (sent["t"], got["t"]),
+        (sent["flags"], got["flags"]),
+        (sent["half"], got["half"]),
+        (sent["ids"][0], got["ids"][0]),
+        (sent["ids"][1], got["ids"][1]),
+        (sent["z"].a, got["z"].a),
+    ]:
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+
+def test_a_truncated_packed_message_raises_typed_error() -> None:
+    """A message cut short (its header claims more bytes than arrived) raises BatchError."""
+    from replicheck.guard.errors import BatchError
+
+    data = pack({"x": torch.ones(3)})
+    with pytest.raises(BatchError):
+        unpack(data[:12])

@@ -373,11 +373,17 @@ def sharded_scenarios(fwd: Fault, wgrad: Fault) -> list[Scenario]:
             name="fsdp-optimizer-update",
             title="FSDP2: optimizer update of one shard corrupted from step 23",
             fault=update,
-            expect="undetected",
             note=(
-                "documented limit: under plain FSDP2 no other rank holds that shard, so no "
-                "comparison can see a wrong update of it (HSDP rows below do)"
+                "no other rank holds that shard: the ring verifier replays the update, a third "
+                "rank arbitrates, and the step's update is undone on every rank"
             ),
+            **fsdp,
+        ),
+        Scenario(
+            name="fsdp-reduced-gradient",
+            title="FSDP2: reduced gradient shard corrupted, one-shot at step 23",
+            fault=Fault.at_reduced_gradient().transient(step=23).bitflip(bit=22),
+            note="each reduce-scatter checked against the sum of every rank's input (linear sketches)",
             **fsdp,
         ),
         Scenario(name="fsdp-clean", title="FSDP2: clean run", expect="clean", **fsdp),

@@ -93,19 +93,29 @@ def to_device(batch: Any, device: torch.device) -> Any:
 # Named tuples and dataclasses cross ranks as tagged tuples of their fields: torch.load with
 # weights_only=True (no arbitrary code from another process) cannot rebuild user classes.
 _RECORD_TAG = "replicheck.record/1"
+_TENSOR_TAG = "replicheck.tensor/1"
+_ALIGN = 16
+"""Byte alignment of each tensor in a packed message (any dtype can be viewed in place)."""
 
 
-def _to_wire(x: Any) -> Any:
+def _to_wire(x: Any, tensors: list[torch.Tensor]) -> Any:
+    """``x`` with each tensor replaced by its place in ``tensors`` and records made plain."""
     if isinstance(x, torch.Tensor):
-        return to_host(x, "probe batch")
+        tensors.append(x)
+        return (_TENSOR_TAG, len(tensors) - 1)
     if _is_record(x) or (isinstance(x, tuple) and hasattr(x, "_fields")):
         names = [f.name for f in dataclasses.fields(x)] if _is_record(x) else list(x._fields)
         cls = type(x)
-        return (_RECORD_TAG, cls.__module__, cls.__qualname__, {n: _to_wire(getattr(x, n)) for n in names})
+        return (
+            _RECORD_TAG,
+            cls.__module__,
+            cls.__qualname__,
+            {n: _to_wire(getattr(x, n), tensors) for n in names},
+        )
     if isinstance(x, dict):
-        return {k: _to_wire(v) for k, v in x.items()}
+        return {k: _to_wire(v, tensors) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
-        return type(x)(_to_wire(v) for v in x)
+        return type(x)(_to_wire(v, tensors) for v in x)
     return x
 
 
@@ -125,31 +135,70 @@ def _record_class(module: str, qualname: str) -> type:
     return obj
 
 
-def _from_wire(x: Any) -> Any:
+def _from_wire(x: Any, tensors: list[torch.Tensor]) -> Any:
+    if isinstance(x, tuple) and len(x) == 2 and x[0] == _TENSOR_TAG:
+        return tensors[x[1]]
     if isinstance(x, tuple) and len(x) == 4 and x[0] == _RECORD_TAG:
         cls = _record_class(x[1], x[2])
-        fields = {k: _from_wire(v) for k, v in x[3].items()}
+        fields = {k: _from_wire(v, tensors) for k, v in x[3].items()}
         if dataclasses.is_dataclass(cls):
             return _rebuilt(object.__new__(cls), fields)
         return cls(**fields)
     if isinstance(x, dict):
-        return {k: _from_wire(v) for k, v in x.items()}
+        return {k: _from_wire(v, tensors) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
-        return type(x)(_from_wire(v) for v in x)
+        return type(x)(_from_wire(v, tensors) for v in x)
     return x
 
 
 def pack(obj: Any) -> torch.Tensor:
-    """Serialise ``obj`` (tensors moved to CPU) into a uint8 tensor for point-to-point sends."""
+    """Serialise ``obj`` into one uint8 tensor for point-to-point sends.
+
+    Layout: the header's length (8 bytes), the header (``obj`` with each tensor replaced by its
+    index, and each tensor's dtype, shape and place, as ``torch.save`` data), then every tensor's
+    bytes, each aligned to 16. The tensors are copied once, on their device when they share one,
+    so a message of device tensors never crosses to the host.
+    """
+    tensors: list[torch.Tensor] = []
+    skeleton = _to_wire(obj, tensors)
+    devices = {t.device for t in tensors}
+    device = devices.pop() if len(devices) == 1 else torch.device("cpu")
+    parts: list[torch.Tensor] = []
+    layout: list[tuple[str, list[int], int, int]] = []
+    offset = 0
+    for t in tensors:
+        t = t.detach() if t.device == device else to_host(t, "probe batch")
+        raw = t.contiguous().reshape(-1).view(torch.uint8)
+        pad = -offset % _ALIGN
+        if pad:
+            parts.append(torch.zeros(pad, dtype=torch.uint8, device=device))
+        layout.append((str(t.dtype).removeprefix("torch."), list(t.shape), offset + pad, raw.numel()))
+        parts.append(raw)
+        offset += pad + raw.numel()
     buf = io.BytesIO()
-    torch.save(_to_wire(obj), buf)
-    # Cloned so torch owns the bytes: a frombuffer tensor keeps a Python object alive, and if the
-    # gloo worker thread that sent it drops the last reference while the interpreter exits, taking
-    # the GIL there aborts the process ("terminate called without an active exception").
-    return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8).clone()
+    torch.save((skeleton, layout), buf)
+    header = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+    length = torch.tensor([header.numel()], dtype=torch.int64).view(torch.uint8)
+    fill = torch.zeros(-(length.numel() + header.numel()) % _ALIGN, dtype=torch.uint8)
+    # A new tensor that torch owns (no Python buffer behind it): a frombuffer tensor keeps a
+    # Python object alive, and if the gloo worker thread that sent it drops the last reference
+    # while the interpreter exits, taking the GIL there aborts the process.
+    return torch.cat([torch.cat([length, header, fill]).to(device), *parts])
 
 
 def unpack(data: torch.Tensor) -> Any:
-    # weights_only: a probe payload holds tensors, numbers, strings and containers only.
-    raw = to_host(data, "probe batch").numpy().tobytes()
-    return _from_wire(torch.load(io.BytesIO(raw), weights_only=True))
+    """The object :func:`pack` serialised; its tensors are views of ``data`` (on its device)."""
+    head = to_host(data[: min(data.numel(), 1 << 16)], "probe batch")
+    n = int(head[:8].view(torch.int64)) if head.numel() >= 8 else -1
+    if n < 0 or 8 + n > data.numel():
+        raise BatchError(f"a packed message of {data.numel()} bytes is truncated (header of {n})")
+    if 8 + n > head.numel():
+        head = torch.cat([head, to_host(data[head.numel() : 8 + n], "probe batch")])
+    # weights_only: a message holds numbers, strings, containers and tensor places only.
+    skeleton, layout = torch.load(io.BytesIO(head[8 : 8 + n].numpy().tobytes()), weights_only=True)
+    base = 8 + n + (-(8 + n) % _ALIGN)
+    tensors = []
+    for dtype, shape, offset, nbytes in layout:
+        raw = data[base + offset : base + offset + nbytes]
+        tensors.append(raw.view(getattr(torch, dtype)).view(shape))
+    return _from_wire(skeleton, tensors)

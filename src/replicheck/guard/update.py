@@ -31,11 +31,13 @@ from typing import Any
 
 import torch
 
+from replicheck import fingerprint as fp
 from replicheck.guard.batch import to_device
 from replicheck.guard.comm import Comm
 from replicheck.guard.errors import GuardError
 from replicheck.guard.ring import Ring
 from replicheck.guard.sharded import local
+from replicheck.guard.transfer import to_host
 from replicheck.guard.verdict import Finding
 
 log = logging.getLogger(__name__)
@@ -88,21 +90,55 @@ class UpdateReplay:
 
     def check(self, step: int) -> Finding | None:
         """Collective: send this rank's record to its verifier, replay its source's, and resolve
-        any disagreement. ``None`` when every update replayed within tolerance."""
+        any disagreement. ``None`` when every update replayed within tolerance.
+
+        First the record travels with only a digest of the new values: a bit-identical replay
+        (the same kernels on the same kind of device) ends the check there. Only pairs whose
+        bits differ send the new values themselves, to be compared within tolerance.
+        """
         self._armed = False
         before = self._before
-        record: Record = (
-            {} if before is None else {**before, "after": snapshot(self._optimizer, grads=False)["state"]}
-        )
-        me = self._comm.rank
-        verifier, source = self._ring.verifier_of(me), self._ring.source_of(me)
-        got = _as_record(self._comm.exchange([(verifier, record)], [source])[source])
-        mine = judge(self._optimizer, got)
+        after = None if before is None else snapshot(self._optimizer, grads=False)["state"]
+        record: Record = {} if before is None else {**before, "after": after}
+        me, ring = self._comm.rank, self._ring
+        verifier, source = ring.verifier_of(me), ring.source_of(me)
+        light: Record = {} if before is None or after is None else {**before, "digests": _digests(after)}
+        got = _as_record(self._comm.exchange([(verifier, light)], [source])[source])
+        replayed, failure = self._replay(got)
+        same = failure is None and (replayed is None or _digests(replayed) == _listed(got.get("digests")))
+        pending = [v for v, ok in enumerate(self._comm.gather_objects(same)) if not ok]
+        if not pending:
+            return None
+        sends = [(verifier, after)] if verifier in pending else []
+        inbox = self._comm.exchange(sends, [source] if me in pending else [])
+        mine: tuple[float, str] = (0.0, "")
+        if me in pending:
+            got = {**got, "after": inbox[source]}
+            mine = (
+                (math.inf, failure or "")
+                if replayed is None
+                else _compare(
+                    _on(self._optimizer, got["after"]), replayed, _on(self._optimizer, got["state"])
+                )
+            )
         outcomes = self._comm.gather_objects(mine)
-        failing = [(self._ring.source_of(v), v) for v, (ratio, _) in enumerate(outcomes) if not ratio <= 1.0]
+        failing = [(ring.source_of(v), v) for v, (ratio, _) in enumerate(outcomes) if not ratio <= 1.0]
         if not failing:
+            log.info(
+                "step %d: update replays within tolerance (not bit-identical on ranks %s)", step, pending
+            )
             return None
         return self._resolve(step, failing, outcomes, record, got)
+
+    def _replay(self, record: Record) -> tuple[list[dict[str, Any]] | None, str | None]:
+        """This rank's replay of a source's record: the new state, or why it could not run."""
+        if not record:
+            return None, None
+        try:
+            return _replay(type(self._optimizer), record, _device(self._optimizer)), None
+        except Exception as exc:  # noqa: BLE001 - a replay that cannot run is a failed check, recorded
+            log.warning("the update replay failed: %s", exc)
+            return None, f"replay failed: {type(exc).__name__}: {exc}"
 
     def restore(self) -> None:
         """Put back the parameters and optimizer state this rank had before the recorded step."""
@@ -273,17 +309,38 @@ def _replay(
 
 
 def judge(optimizer: torch.optim.Optimizer, record: Record) -> tuple[float, str]:
-    """The worst ratio of difference to tolerance between a source's recorded update and its
-    replay here (``0.0`` when the source's optimizer did not step), and where it was."""
+    """The worst ratio of difference to tolerance between a source's recorded update (with its
+    new values, ``after``) and its replay here (``0.0`` when the source's optimizer did not
+    step), and where it was."""
     if not record:
         return 0.0, ""
-    device = next((local(p).device for g in optimizer.param_groups for p in g["params"]), torch.device("cpu"))
     try:
-        replayed = _replay(type(optimizer), record, device)
+        replayed = _replay(type(optimizer), record, _device(optimizer))
     except Exception as exc:  # noqa: BLE001 - a replay that cannot run is a failed check, recorded
         log.warning("the update replay failed: %s", exc)
         return math.inf, f"replay failed: {type(exc).__name__}: {exc}"
-    return _compare(to_device(record["after"], device), replayed, to_device(record["state"], device))
+    return _compare(_on(optimizer, record["after"]), replayed, _on(optimizer, record["state"]))
+
+
+def _device(optimizer: torch.optim.Optimizer) -> torch.device:
+    return next((local(p).device for g in optimizer.param_groups for p in g["params"]), torch.device("cpu"))
+
+
+def _on(optimizer: torch.optim.Optimizer, values: Any) -> Any:
+    return to_device(values, _device(optimizer))
+
+
+def _listed(codes: Any) -> list[list[Any]] | None:
+    """Digests as lists (the wire may turn tuples into lists)."""
+    return [list(c) for c in codes] if isinstance(codes, list) else None
+
+
+def _digests(state: list[dict[str, Any]]) -> list[list[Any]]:
+    """Exact digests of every new value (tensors; other values as they are), one host transfer."""
+    keys = [(i, k) for i, st in enumerate(state) for k in sorted(st) if k != "grad"]
+    tensors = [state[i][k] for i, k in keys if isinstance(state[i][k], torch.Tensor)]
+    codes = iter(to_host(fp.digests(tensors), "update digests").tolist() if tensors else [])
+    return [[i, k, next(codes) if isinstance(state[i][k], torch.Tensor) else state[i][k]] for i, k in keys]
 
 
 def _compare(
