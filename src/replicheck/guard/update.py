@@ -108,6 +108,7 @@ class UpdateReplay:
         same = failure is None and (replayed is None or _digests(replayed) == _listed(got.get("digests")))
         pending = [v for v, ok in enumerate(self._comm.gather_objects(same)) if not ok]
         if not pending:
+            self._before = None  # the copy of the shard is not kept between verifications
             return None
         sends = [(verifier, after)] if verifier in pending else []
         inbox = self._comm.exchange(sends, [source] if me in pending else [])
@@ -127,6 +128,7 @@ class UpdateReplay:
             log.info(
                 "step %d: update replays within tolerance (not bit-identical on ranks %s)", step, pending
             )
+            self._before = None
             return None
         return self._resolve(step, failing, outcomes, record, got)
 
@@ -144,6 +146,7 @@ class UpdateReplay:
         """Put back the parameters and optimizer state this rank had before the recorded step."""
         if self._before is not None:
             _restore(self._optimizer, self._before)
+            self._before = None
 
     # -- a disagreement -------------------------------------------------------------------------
     def _resolve(
