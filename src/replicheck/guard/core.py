@@ -50,7 +50,7 @@ from replicheck.guard.support import (
     step_gate,
     unwrap_compiled,
 )
-from replicheck.guard.update import UpdateReplay, replayable
+from replicheck.guard.update import REPLAYABLE, UpdateReplay, replayable
 from replicheck.guard.verdict import Finding
 from replicheck.guard.wire import HostRow, ProbePayload, StepRow
 from replicheck.incident import NodeIdentity
@@ -218,10 +218,10 @@ class Guard:
         if not replayable(optimizer):
             log.warning(
                 "plain FSDP2 with %s: its update cannot be replayed shard by shard, so a corrupted "
-                "optimizer update goes undetected (use HSDP with 3+ replica groups, or an "
-                "elementwise optimizer: %s)",
+                "optimizer update goes undetected (use HSDP with 3+ replica groups, or one of the "
+                "elementwise torch optimizers: %s)",
                 type(optimizer).__name__,
-                ", ".join(c.__name__ for c in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)),
+                ", ".join(c.__name__ for c in REPLAYABLE),
             )
             return None
         return UpdateReplay(optimizer, self._comm, self._ring)
