@@ -335,10 +335,10 @@ class Guard:
             return self._skip_overflow(s, rows, check_replicas)
         if findings:
             self._raise(s, findings)
-        replay_update = verify and self._updates is not None
-        scaler_state = self._scaler.state_dict() if replay_update and self._scaler is not None else None
-        if replay_update and self._updates is not None:
-            self._updates.arm()
+        updates = self._updates if verify else None
+        scaler_state = self._scaler.state_dict() if updates is not None and self._scaler is not None else None
+        if updates is not None:
+            updates.arm()
         self._gate.open = True
         try:
             with running(s, "optimizer"):
@@ -349,8 +349,8 @@ class Guard:
                     self._optimizer.step()
         finally:
             self._gate.open = False
-        if replay_update and self._updates is not None:
-            self._check_update(s, scaler_state)
+        if updates is not None:
+            self._check_update(s, updates, scaler_state)
         if verify:
             self.last_verified_step = s
             log.info("step %d verified (replay) on rank %d", s, self.rank)
@@ -361,16 +361,14 @@ class Guard:
             loss=float(rows[self.rank].loss), step=s, verified=verify, replicas_checked=check_replicas
         )
 
-    def _check_update(self, s: int, scaler_state: dict[str, Any] | None) -> None:
+    def _check_update(self, s: int, updates: UpdateReplay, scaler_state: dict[str, Any] | None) -> None:
         """Plain FSDP2: the ring replays every rank's update; a disputed one is undone on every
         rank (with the scaler's update) before the incident is raised."""
-        if self._updates is None:
-            return
         with running(s, "optimizer"):
-            finding = self._updates.check(s)
+            finding = updates.check(s)
         if finding is None:
             return
-        self._updates.restore()
+        updates.restore()
         if self._scaler is not None and scaler_state is not None:
             self._scaler.load_state_dict(scaler_state)
         self._raise(s, [finding])

@@ -18,7 +18,8 @@ A rank's verdict for the step (the worst over its reduce-scatters):
 
 - ``OK``: every shard is the sum of the inputs.
 - ``AFTER``: the collective delivered the right sum, the shard then changed on this rank alone
-  (its hooks or its memory), so this rank is named.
+  (in its reduced-gradient hooks, which run on this rank's device), so this rank is named. With
+  no hooks registered the shard is the collective's output and is sketched once.
 - ``COLLECTIVE``: the collective's output differs from the sum of the inputs. The reduction runs
   through every rank's links and adders, so that evidence names no rank.
 """

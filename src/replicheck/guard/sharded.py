@@ -214,7 +214,9 @@ class GradTap(GradStats):
             return
         index, self._index = self._index, self._index + 1
         self._run_hooks(index, reduced)
-        if self.scatter is not None:
+        if self.scatter is not None and self.reduced_hooks:
+            # Only hooks run between the collective and here: without any, the shard is the
+            # collective's output, already sketched.
             self.scatter.after_hooks(reduced)
         if self.digest_reduced:
             self._reduced[index] = fp.digest(reduced)
