@@ -209,3 +209,16 @@ def chain(ctx: RankContext, model: Any, opt: Any, guard: Guard, *, setups: Any) 
     """Run several setups in order."""
     for setup in setups:
         setup(ctx, model, opt, guard)
+
+
+def clamp_after_step(ctx: RankContext, model: Any, opt: torch.optim.Optimizer, guard: Guard) -> None:
+    """On every rank, a user's step hook that clamps every weight after the update (software that
+    changes what the optimizer applied, as weight constraints or an EMA swap do)."""
+
+    def post(optimizer: Any, args: Any, kwargs: Any) -> None:
+        with torch.no_grad():
+            for g in optimizer.param_groups:
+                for p in g["params"]:
+                    _stored(p).clamp_(-0.05, 0.05)
+
+    opt.register_step_post_hook(post)

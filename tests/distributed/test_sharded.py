@@ -167,6 +167,28 @@ def test_fsdp_optimizer_update_fault_is_replayed_named_and_undone(ranks: int, na
     assert all(torch.equal(v, before[0].state[k]) for k, v in results[0].state.items())  # type: ignore[index, union-attr]
 
 
+def _hooked_job(ctx: RankContext) -> tuple[str, bool]:
+    """A guarded FSDP2 job whose every rank clamps weights in an optimizer step hook."""
+    from replicheck.guard import UpdateReplayError
+
+    spec_ = spec("fsdp", steps=3, setup=gf.clamp_after_step, keep_state=True)
+    try:
+        train(ctx, spec_)
+    except UpdateReplayError as exc:
+        return str(exc), True
+    return "", False
+
+
+@pytest.mark.timeout(240)
+def test_an_update_every_replay_disputes_is_software_and_blames_no_node() -> None:
+    """Plain FSDP2 (3 ranks) with a user's step hook that clamps weights: every rank's update
+    differs from its replay, so every rank raises UpdateReplayError at step 0 (no incident, no
+    node named) saying what to do."""
+    results = run_local(_hooked_job, node_names(3, 1), timeout=200)
+    assert all(raised for _, raised in results)
+    assert all("replay_update=False" in msg and "No node is blamed" in msg for msg, _ in results)
+
+
 def _plain_steps(
     model: torch.nn.Module, opt: torch.optim.Optimizer, loss: str, micro: int, rank: int
 ) -> None:

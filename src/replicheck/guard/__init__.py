@@ -12,6 +12,7 @@ from replicheck.guard.errors import (
     GuardMisuseError,
     LossContractError,
     PeerFailed,
+    UpdateReplayError,
 )
 from replicheck.guard.loss import LossReduction, LossSum
 from replicheck.guard.ring import Ring
@@ -31,6 +32,7 @@ __all__ = [
     "LossSum",
     "Ring",
     "StepResult",
+    "UpdateReplayError",
     "current_pass",
     "current_step",
     "is_replaying",

@@ -26,6 +26,7 @@ from replicheck.guard.errors import (
     CorruptionDetected,
     GuardConfigError,
     GuardError,
+    UpdateReplayError,
 )
 from replicheck.guard.failure import StepFailure
 from replicheck.guard.health import GradHealth, ReducedHook
@@ -364,14 +365,21 @@ class Guard:
     def _check_update(self, s: int, updates: UpdateReplay, scaler_state: dict[str, Any] | None) -> None:
         """Plain FSDP2: the ring replays every rank's update; a disputed one is undone on every
         rank (with the scaler's update) before the incident is raised."""
-        with running(s, "optimizer"):
-            finding = updates.check(s)
+        try:
+            with running(s, "optimizer"):
+                finding = updates.check(s)
+        except UpdateReplayError:
+            self._undo_update(updates, scaler_state)
+            raise
         if finding is None:
             return
+        self._undo_update(updates, scaler_state)
+        self._raise(s, [finding])
+
+    def _undo_update(self, updates: UpdateReplay, scaler_state: dict[str, Any] | None) -> None:
         updates.restore()
         if self._scaler is not None and scaler_state is not None:
             self._scaler.load_state_dict(scaler_state)
-        self._raise(s, [finding])
 
     def _skip_overflow(self, s: int, rows: Sequence[HostRow], check_replicas: bool) -> StepResult:
         """Every rank skips step ``s`` as the loss scaler does (:mod:`replicheck.guard.scaling`)."""

@@ -22,6 +22,12 @@ class DeterminismError(GuardConfigError):
         super().__init__(message)
 
 
+class UpdateReplayError(GuardConfigError):
+    """Plain FSDP2: every rank's optimizer update differed from its replay, so the optimizer (or a
+    step hook that changes parameters) does not compute what a fresh optimizer of its class does;
+    no node is blamed and the step's update is undone on every rank."""
+
+
 class CommError(GuardError):
     """The guard's point-to-point exchange was asked for a pattern it cannot match."""
 

@@ -34,7 +34,7 @@ import torch
 from replicheck import fingerprint as fp
 from replicheck.guard.batch import to_device
 from replicheck.guard.comm import Comm
-from replicheck.guard.errors import GuardError
+from replicheck.guard.errors import GuardError, UpdateReplayError
 from replicheck.guard.ring import Ring
 from replicheck.guard.sharded import local
 from replicheck.guard.transfer import to_host
@@ -124,6 +124,16 @@ class UpdateReplay:
             )
         outcomes = self._comm.gather_objects(mine)
         failing = [(ring.source_of(v), v) for v, (ratio, _) in enumerate(outcomes) if not ratio <= 1.0]
+        if len(failing) == ring.world_size >= 3:
+            # One bad device fails at most its two pairs: every pair failing is the software.
+            raise UpdateReplayError(
+                f"step {step}: every rank's optimizer update differs from its replay on another rank "
+                f"(worst: {outcomes[failing[0][1]][1]}). The optimizer does not compute what a fresh "
+                f"{type(self._optimizer).__name__} with the same hyperparameters computes: an "
+                "optimizer step hook that changes parameters (EMA, clamping), or a subclass "
+                "that changes the update. No node is blamed; this step's update was undone. "
+                "Remove the hook or set GuardConfig(replay_update=False)."
+            )
         if not failing:
             log.info(
                 "step %d: update replays within tolerance (not bit-identical on ranks %s)", step, pending
