@@ -31,8 +31,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from replicheck import fingerprint as fp
 from replicheck.guard import Guard, GuardConfig
-from replicheck.guard.health import _sq_norm
-from replicheck.guard.wire import StepRow
+from replicheck.guard.checks.health import sq_norm as _sq_norm
+from replicheck.guard.transport.records import StepRow
 from replicheck.harness.launch import RankContext, node_names, run_local
 from replicheck.harness.workloads import DecoderConfig, lm_loss, make_model, synthetic_batch
 

@@ -13,10 +13,10 @@ import math
 import os
 import re
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeAlias
 
 from replicheck.timefmt import utc_iso
 
@@ -30,6 +30,8 @@ READABLE_VERSIONS: tuple[int, ...] = (1, 2)
 
 Check = Literal["replay", "gradients", "reduced_gradients", "weights", "optimizer_state", "optimizer_update"]
 Classification = Literal["persistent", "transient", "ambiguous", "data", "divergence"]
+JsonValue: TypeAlias = str | int | float | bool | None | Sequence["JsonValue"] | Mapping[str, "JsonValue"]
+"""A value as JSON holds it (evidence of an incident is a mapping of these)."""
 
 CHECKS: tuple[Check, ...] = (
     "replay",

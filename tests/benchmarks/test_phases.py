@@ -85,3 +85,16 @@ def test_breakdown_rows_charge_the_split_against_the_plain_pass() -> None:
     split = [v for k, v in by.items() if k.startswith("split")]
     assert split == [pytest.approx(50)]
     assert rest == pytest.approx(500 - 200 - 50)
+
+
+@pytest.mark.timeout(120)
+def test_every_guard_phase_is_called_by_a_guarded_ddp_step() -> None:
+    """Each phase overhead.py names is on the path a guarded DDP step takes (2 gloo ranks, replay
+    and replica checks every step): a target that resolves but is never called would time nothing."""
+    import phase_ranks
+
+    from replicheck.harness.launch import node_names, run_local
+
+    calls = run_local(phase_ranks.timed_steps, node_names(2, 1), timeout=90)[0]
+    seen = {name.removesuffix(" [other thread]") for name, n in calls.items() if n > 0}
+    assert {t.component for t in GUARD_PHASES} <= seen, calls

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from replicheck.checkpoint import CheckpointStore
-from replicheck.guard.comm import Comm
+from replicheck.guard.transport.comm import Comm
 from replicheck.incident import Incident
 
 

@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from replicheck.guard.comm import Comm
 from replicheck.guard.errors import CommError
+from replicheck.guard.transport.comm import Comm
 from replicheck.harness.launch import RankContext, node_names, run_local
 
 

@@ -15,7 +15,7 @@ from test_comm_exchange import _p2p_spy
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-import replicheck.guard.probe as probe_module
+import replicheck.guard.step.replay as probe_module
 from replicheck.guard import (
     CorruptionDetected,
     DeterminismError,
@@ -25,7 +25,7 @@ from replicheck.guard import (
     current_pass,
     current_step,
 )
-from replicheck.guard.batch import tree_leaves
+from replicheck.guard.transport.batch import tree_leaves
 from replicheck.harness.launch import RankContext, node_names, run_local
 
 

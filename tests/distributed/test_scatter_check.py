@@ -1,4 +1,4 @@
-"""The reduce-scatter check of plain FSDP2 (``replicheck.guard.scatter``) on real gloo
+"""The reduce-scatter check of plain FSDP2 (``replicheck.guard.checks.scatter``) on real gloo
 collectives: no alarm over many clean reduce-scatters of heavy-tailed gradients (float32 and
 bfloat16, sum and mean), and one value changed after the collective is seen."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from replicheck.guard.scatter import AFTER, COLLECTIVE, OK, ScatterCheck, finding
+from replicheck.guard.checks.scatter import AFTER, COLLECTIVE, OK, ScatterCheck, finding
 from replicheck.harness.launch import RankContext, node_names, run_local
 
 

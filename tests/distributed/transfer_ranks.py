@@ -8,7 +8,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from replicheck.guard import Guard, GuardConfig
-from replicheck.guard.transfer import COUNTER
+from replicheck.guard.transport.transfer import COUNTER
 from replicheck.harness.launch import RankContext
 
 

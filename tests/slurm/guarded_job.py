@@ -106,5 +106,5 @@ def main() -> int:
 
 if __name__ == "__main__":
     # A normal interpreter exit: the task's exit status is what main() returned (no abort at exit,
-    # see replicheck.guard.inflight).
+    # see replicheck.guard.transport.inflight).
     sys.exit(main())

@@ -14,7 +14,7 @@ from replicheck.guard import (
     GuardConfigError,
     current_pass,
 )
-from replicheck.guard.batch import batch_size, split
+from replicheck.guard.transport.batch import batch_size, split
 from replicheck.harness.workloads import DecoderConfig, lm_loss, make_model, synthetic_batch
 
 pytestmark = pytest.mark.timeout(60)

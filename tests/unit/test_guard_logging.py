@@ -22,7 +22,7 @@ def test_library_prints_nothing_by_default() -> None:
     """Importing replicheck and logging a warning through its loggers prints nothing (NullHandler)."""
     code = (
         "import logging, replicheck\n"
-        "logging.getLogger('replicheck.guard.core').warning('fallback')\n"
+        "logging.getLogger('replicheck.guard.step.guard').warning('fallback')\n"
         "logging.getLogger('replicheck.guard.runtime').error('incident')\n"
     )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from replicheck.guard.transfer import COUNTER, host_result, to_host_all
-from replicheck.guard.wire import StepRow
+from replicheck.guard.transport.records import StepRow
+from replicheck.guard.transport.transfer import COUNTER, host_result, to_host_all
 
 pytestmark = pytest.mark.timeout(60)
 

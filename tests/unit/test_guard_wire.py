@@ -9,11 +9,13 @@ import pytest
 import torch
 
 from replicheck import fingerprint as fp
-from replicheck.guard.batch import pack, unpack
-from replicheck.guard.comm import Comm
-from replicheck.guard.replicas import gradient_finding
-from replicheck.guard.wire import (
+from replicheck.guard.checks.replicas import gradient_finding
+from replicheck.guard.transport.batch import pack, unpack
+from replicheck.guard.transport.comm import Comm
+from replicheck.guard.transport.records import (
     ArbitrationRequest,
+    BackwardPass,
+    GradientWork,
     ProbePayload,
     ProbeResult,
     StepRow,
@@ -54,6 +56,23 @@ def test_malformed_probe_payload_raises_typed_error(wire: object) -> None:
     """Anything that is not an encoded probe payload raises WireFormatError, not a KeyError."""
     with pytest.raises(WireFormatError):
         ProbePayload.decode(wire)
+
+
+def test_gradient_work_survives_the_point_to_point_serialisation() -> None:
+    """A step's passes sent to a peer for a re-run come back as typed passes (batch, weight, seed);
+    anything else raises WireFormatError."""
+    sent = GradientWork(
+        passes=(
+            BackwardPass(batch=_payload().batch, weight=0.25, seed=12345),
+            BackwardPass(batch={"tokens": torch.ones(1, 3)}, weight=0.75, seed=None),
+        )
+    )
+    got = GradientWork.decode(unpack(pack(sent.encode())))
+    assert [(p.weight, p.seed) for p in got.passes] == [(0.25, 12345), (0.75, None)]
+    assert torch.equal(got.passes[0].batch["tokens"], sent.passes[0].batch["tokens"])
+    for wire in (None, [], ("replicheck.gradient-work/1", [(1, "w", None)])):
+        with pytest.raises(WireFormatError):
+            GradientWork.decode(wire)
 
 
 def test_step_row_round_trips_every_column_bit_for_bit() -> None:

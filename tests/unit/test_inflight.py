@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from replicheck.guard.inflight import InFlight
+from replicheck.guard.transport.inflight import InFlight
 
 
 def test_a_tensor_is_held_while_something_else_refers_to_it_and_dropped_after() -> None:

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from replicheck.guard import BatchError, GuardConfig, GuardConfigError, LossSum
+from replicheck.guard.attribution.verdict import calibration_noise
 from replicheck.guard.loss import unpack
-from replicheck.guard.verdict import calibration_noise
 
 
 def test_unpack_reads_a_plain_loss_and_a_loss_sum() -> None:

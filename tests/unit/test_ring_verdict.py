@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from replicheck.guard.ring import Ring
-from replicheck.guard.verdict import (
+from replicheck.guard.attribution.ring import Ring
+from replicheck.guard.attribution.verdict import (
     Finding,
     arbitrate,
     attribute_pairs,

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from replicheck.guard.probe import Fingerprinter
-from replicheck.guard.replicas import group_finding
-from replicheck.guard.sharded import ShardLayout
+from replicheck.guard.checks.replicas import group_finding
+from replicheck.guard.parallel.fsdp import ShardLayout
+from replicheck.guard.step.replay import Fingerprinter
 
 
 def test_hsdp_layout_groups_the_ranks_holding_one_shard() -> None:
@@ -56,7 +56,7 @@ def test_shard_digest_leaves_out_what_replicas_hold_differently_as_ddp_does() ->
     BatchNorm statistics (each replica group updates its own) and per-rank buffers do not change
     it, a parameter does."""
     from replicheck import fingerprint as fp
-    from replicheck.guard.sharded import weights_digest
+    from replicheck.guard.shards import weights_digest
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))

@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from replicheck.guard import DeterminismError, GuardConfigError
-from replicheck.guard.batch import pack, to_device, unpack
-from replicheck.guard.determinism import determinism_error, deterministic, prepare_cublas
-from replicheck.guard.rng import forked_rng, rng_devices
+from replicheck.guard.step.determinism import determinism_error, deterministic, prepare_cublas
+from replicheck.guard.step.rng import forked_rng, rng_devices
+from replicheck.guard.transport.batch import pack, to_device, unpack
 
 
 class Pair(NamedTuple):
@@ -41,7 +41,7 @@ def _nested() -> dict[str, Any]:
 
 
 def _leaves(batch: Any) -> list[torch.Tensor]:
-    from replicheck.guard.batch import tree_leaves
+    from replicheck.guard.transport.batch import tree_leaves
 
     return [x for x in tree_leaves(batch) if isinstance(x, torch.Tensor)]
 
@@ -172,7 +172,7 @@ def test_prepare_cublas(caplog: pytest.LogCaptureFixture) -> None:
     assert not prepare_cublas(torch.device("cpu"), True, environ=env, cuda_initialized=False)
     assert not prepare_cublas(cuda, False, environ=env, cuda_initialized=True)
     assert env == {}
-    with caplog.at_level(logging.INFO, logger="replicheck.guard.determinism"):
+    with caplog.at_level(logging.INFO, logger="replicheck.guard.step.determinism"):
         assert prepare_cublas(cuda, True, environ=env, cuda_initialized=False)
     assert env == {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"} and "CUBLAS_WORKSPACE_CONFIG" in caplog.text
     assert not prepare_cublas(cuda, True, environ={"CUBLAS_WORKSPACE_CONFIG": ":16:8"}, cuda_initialized=True)

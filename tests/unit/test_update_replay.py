@@ -10,7 +10,9 @@ from typing import Any
 import pytest
 import torch
 
-from replicheck.guard.update import REPLAYABLE, judge, replayable, snapshot
+from replicheck.guard.checks.update import REPLAYABLE, judge, replayable, snapshot
+from replicheck.guard.transport.batch import pack, unpack
+from replicheck.guard.transport.records import UpdateRecord, WireFormatError
 
 CASES: list[tuple[type[torch.optim.Optimizer], dict[str, Any]]] = [
     (torch.optim.SGD, dict(lr=0.1)),
@@ -41,10 +43,10 @@ def _stepped(cls: type[torch.optim.Optimizer], kw: dict[str, Any], steps: int) -
     return opt
 
 
-def _record(opt: torch.optim.Optimizer) -> dict[str, Any]:
+def _record(opt: torch.optim.Optimizer) -> UpdateRecord:
     before = snapshot(opt)
     opt.step()
-    return {**before, "after": snapshot(opt, grads=False)["state"]}
+    return UpdateRecord(before=before, after=snapshot(opt, grads=False).params)
 
 
 @pytest.mark.parametrize(("cls", "kw"), CASES, ids=lambda c: getattr(c, "__name__", ""))
@@ -75,11 +77,13 @@ def test_one_corrupted_value_of_the_update_is_outside_tolerance(
     before = snapshot(opt)
     opt.step()
     p = opt.param_groups[0]["params"][0]
-    delta = p.detach() - before["state"][0]["value"]
+    value = before.params[0]["value"]
+    assert isinstance(value, torch.Tensor)
+    delta = p.detach() - value
     _flip(delta, int(delta.abs().argmax()), 22)  # a value that moved (Rprop leaves some still)
     with torch.no_grad():
-        p.copy_(before["state"][0]["value"] + delta)
-    ratio, where = judge(opt, {**before, "after": snapshot(opt, grads=False)["state"]})
+        p.copy_(value + delta)
+    ratio, where = judge(opt, UpdateRecord(before=before, after=snapshot(opt, grads=False).params))
     assert ratio > 1.0 and where == "parameter 0 value"
 
 
@@ -87,7 +91,10 @@ def test_corrupted_optimizer_state_is_outside_tolerance() -> None:
     """A wrong value in the state the step wrote (Adam's second moment) is caught too."""
     opt = _stepped(torch.optim.Adam, dict(lr=1e-2), 3)
     record = _record(opt)
-    record["after"][1]["exp_avg_sq"].view(-1)[5] *= 1.5
+    assert record.after is not None
+    second_moment = record.after[1]["exp_avg_sq"]
+    assert isinstance(second_moment, torch.Tensor)
+    second_moment.view(-1)[5] *= 1.5
     ratio, where = judge(opt, record)
     assert ratio > 1.0 and where == "parameter 1 exp_avg_sq"
 
@@ -106,4 +113,19 @@ def test_an_optimizer_that_reads_whole_tensors_is_not_replayable() -> None:
 def test_a_rank_whose_optimizer_did_not_step_sends_an_empty_record() -> None:
     """An empty record (the loss scaler skipped the step there) is no disagreement."""
     opt = _stepped(torch.optim.SGD, dict(lr=0.1), 0)
-    assert judge(opt, {}) == (0.0, "")
+    assert judge(opt, UpdateRecord(before=None)) == (0.0, "")
+    sent = UpdateRecord.decode(UpdateRecord(before=None).encode())
+    assert sent == UpdateRecord(before=None)
+
+
+def test_an_update_record_crosses_ranks_unchanged() -> None:
+    """The typed update record survives the wire (encode, pack, unpack, decode) and is judged the
+    same there; a message of another kind is refused by name."""
+    opt = _stepped(torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1), 3)
+    record = _record(opt)
+    got = UpdateRecord.decode(unpack(pack(record.encode())))
+    assert got.before is not None and record.before is not None
+    assert got.before.sizes == record.before.sizes and len(got.before.params) == len(record.before.params)
+    assert judge(opt, got) == judge(opt, record)
+    with pytest.raises(WireFormatError, match="not an update record"):
+        UpdateRecord.decode(("replicheck.probe/1", 0))

@@ -13,8 +13,8 @@ from replicheck import fingerprint as fp
 from replicheck.checkpoint import sharded
 from replicheck.checkpoint.errors import CheckpointCorrupt, CheckpointMismatch
 from replicheck.checkpoint.manifest import PAYLOAD_FORMAT, Manifest, digest_hex
-from replicheck.guard.comm import Comm
 from replicheck.guard.modules import unwrap
+from replicheck.guard.transport.comm import Comm
 
 if TYPE_CHECKING:
     from replicheck.checkpoint.store import Checkpoint

@@ -21,8 +21,8 @@ from replicheck import fingerprint as fp
 from replicheck.checkpoint import atomic
 from replicheck.checkpoint.errors import CheckpointCorrupt, CheckpointMismatch, CheckpointWriteError
 from replicheck.checkpoint.manifest import Manifest, digest_hex
-from replicheck.guard.comm import Comm
-from replicheck.guard.sharded import is_sharded, local
+from replicheck.guard.shards import is_sharded, local, optimizer_digest
+from replicheck.guard.transport.comm import Comm
 
 DCP_DIR = "state.dcp"
 """The DCP directory (the manifest's ``payload``)."""
@@ -60,8 +60,6 @@ def tree_sha256(root: Path) -> tuple[str, int]:
 def digests(model: torch.nn.Module, optimizer: torch.optim.Optimizer, comm: Comm) -> tuple[str, str, int]:
     """Collective: every rank's digest of its parameter shards and of its optimizer-state shards,
     combined in rank order; and the number of parameter tensors."""
-    from replicheck.guard.sharded import optimizer_digest
-
     params = [local(p.detach()) for _, p in fp.named_weights(model, "all")]
     mine = (int(fp.weights_digest(params)), int(optimizer_digest(optimizer)))
     every = comm.gather_objects(mine)

@@ -43,8 +43,8 @@ from replicheck.checkpoint.policy import (
     eligible,
 )
 from replicheck.checkpoint.restore import read_verified, restore
-from replicheck.guard.comm import Comm
 from replicheck.guard.modules import unwrap
+from replicheck.guard.transport.comm import Comm
 from replicheck.incident import Incident, IncidentFormatError, read_incident
 
 if TYPE_CHECKING:

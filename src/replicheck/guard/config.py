@@ -60,10 +60,10 @@ class GuardConfig:
     check_reduced: bool = True
     """Every step, check that the all-reduced gradient is bit-identical on every rank (DDP; under
     HSDP every reduced shard across replica groups). Plain FSDP2: check every reduce-scatter's
-    output against the sum of its inputs, by linear sketches (:mod:`replicheck.guard.scatter`)."""
+    output against the sum of its inputs, by linear sketches (:mod:`replicheck.guard.checks.scatter`)."""
     replay_update: bool = True
     """Plain FSDP2, on verification steps: the ring verifier replays each rank's optimizer update
-    of its shard (:mod:`replicheck.guard.update`; elementwise torch optimizers only). Costs a copy
+    of its shard (:mod:`replicheck.guard.checks.update`; elementwise torch optimizers only). Costs a copy
     of the shard's parameters, gradients and optimizer state, and its transfer, per verification."""
     sketch_k: int = 4
     """Tolerant mode: random ±1 projections per block, besides its norm."""

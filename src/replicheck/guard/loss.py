@@ -9,7 +9,7 @@ from typing import Any, Literal
 import torch
 
 from replicheck.guard.errors import LossContractError
-from replicheck.guard.transfer import to_host
+from replicheck.guard.transport.transfer import to_host
 
 LossReduction = Literal["unknown", "sample_mean", "sum"]
 """What a plain scalar loss is over its batch: unknown, a mean over samples, or a plain sum."""

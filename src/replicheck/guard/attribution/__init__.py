@@ -1,0 +1,1 @@
+"""Who is to blame: findings and votes, the verification ring, arbitration and re-runs."""

@@ -1,0 +1,166 @@
+"""FSDP2 (``fully_shard``) and HSDP: a sharded model, its mesh and what the guard compares.
+
+Plain FSDP2 (a 1-D mesh) holds each shard of the weights and optimizer state on one rank only,
+so nothing is compared across replicas; the reduce-scatter check and the update replay check
+the computations that produce that state instead. HSDP (a 2-D replicate × shard mesh) holds each
+shard once per replica group: those copies are compared as DDP's replicas are.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from replicheck.guard import shards
+from replicheck.guard.checks.health import GradStats
+from replicheck.guard.checks.update import REPLAYABLE, UpdateReplay, replayable
+from replicheck.guard.config import GuardConfig
+from replicheck.guard.errors import GuardConfigError
+from replicheck.guard.parallel.base import ForwardCounter, Parallelism, Replays
+from replicheck.guard.parallel.fsdp_tap import GradTap, collectives_of_forward, gradient_sync
+from replicheck.guard.parallel.lockstep import LockstepReplays
+from replicheck.guard.transport.comm import Comm
+
+if TYPE_CHECKING:
+    from replicheck.guard.attribution.ring import Ring
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """Which ranks hold the same shard: the replicate dimension of an HSDP mesh."""
+
+    replicas: int
+    """Replica groups (1 for plain FSDP2)."""
+    shards: int
+    """Ranks a parameter is sharded over inside one replica group."""
+    same_shard: tuple[tuple[int, ...], ...]
+    """For each shard index, the global ranks holding it (one per replica group)."""
+
+    def groups_of(self, world_size: int) -> list[list[int]]:
+        """Ranks whose stored state must be equal: those holding the same shard."""
+        return [list(g) for g in self.same_shard if len(g) > 1 and max(g) < world_size]
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> ShardLayout:
+        """The layout of ``model``'s device mesh; refuses parameters that are not on one mesh."""
+        meshes = {id(p.device_mesh): p.device_mesh for p in model.parameters() if isinstance(p, DTensor)}
+        if len(meshes) != 1:
+            raise GuardConfigError(
+                "every parameter of a fully_shard model must be sharded on one device mesh "
+                f"(found {len(meshes)} meshes); shard the whole model with one mesh"
+            )
+        mesh = next(iter(meshes.values()))
+        ranks = mesh.mesh
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if ranks.numel() != world:
+            raise GuardConfigError(
+                f"the model's device mesh covers {ranks.numel()} of the job's {world} ranks; the guard "
+                "needs the mesh to span the job (tensor or pipeline parallel dimensions are not supported)"
+            )
+        if ranks.dim() == 1:
+            return cls(replicas=1, shards=ranks.numel(), same_shard=tuple((int(r),) for r in ranks))
+        if ranks.dim() != 2:
+            raise GuardConfigError(f"a {ranks.dim()}-D device mesh is not supported (FSDP2: 1-D, HSDP: 2-D)")
+        return cls(
+            replicas=ranks.shape[0],
+            shards=ranks.shape[1],
+            same_shard=tuple(tuple(int(r) for r in ranks[:, s]) for s in range(ranks.shape[1])),
+        )
+
+
+class Sharded(Parallelism):
+    """A model sharded with ``fully_shard``: plain FSDP2 on a 1-D mesh, HSDP on a 2-D one."""
+
+    kind = "fsdp2"
+    split_probe = False  # a split probe would need FSDP to keep whole gradients unreduced
+    passes_are_collective = True
+    reduces_every_pass = True
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.layout = ShardLayout.of(model)
+        super().__init__(model, model, Comm(None))
+        self._tap: GradTap | None = None
+        self._forwards = ForwardCounter(model)
+
+    @classmethod
+    def claim(cls, model: torch.nn.Module) -> Sharded | None:
+        return cls(model) if isinstance(model, FSDPModule) else None
+
+    def local(self, t: torch.Tensor) -> torch.Tensor:
+        return shards.local(t)
+
+    @property
+    def replica_groups(self) -> list[list[int]] | None:
+        return self.layout.groups_of(self.comm.world_size)
+
+    @property
+    def replicated(self) -> bool:
+        return self.comm.world_size > 1 and self.layout.replicas > 1
+
+    @property
+    def tap(self) -> GradTap:
+        if self._tap is None:
+            raise GuardConfigError("internal: the sharded model's gradients are not tapped yet")
+        return self._tap
+
+    def install(self, config: GuardConfig, peer_failed: Callable[[], bool]) -> GradStats:
+        # Replica groups vote on the reduced shards; plain FSDP2 checks each reduce-scatter instead.
+        self._tap = GradTap(
+            self.model,
+            digest_reduced=config.check_reduced and self.layout.replicas > 1,
+            check_scatter=config.check_reduced and self.layout.replicas == 1 and self.comm.world_size > 1,
+        )
+        return self._tap
+
+    def replays(self, params: Sequence[torch.nn.Parameter]) -> Replays:
+        return LockstepReplays(self.comm, self.tap, self._forwards, self.model, params)
+
+    def hold_reduction(self, hold: bool) -> AbstractContextManager[Any]:
+        return gradient_sync(self.model, not hold)
+
+    def set_reduction_scale(self, scale: float) -> None:
+        self.tap.pre_scale = scale
+
+    def forwards(self) -> int:
+        return self._forwards.count
+
+    def join_failed_forward(self, skipped: bool) -> None:
+        if not skipped:
+            collectives_of_forward(self.model)
+
+    def fingerprint_names(self) -> tuple[str, ...] | None:
+        # One fingerprint entry per layer group, in the order backward made them.
+        return tuple(self.tap.units) if self.tap.units else None
+
+    def weights_digest(self, per_rank: Sequence[str]) -> torch.Tensor:
+        return shards.weights_digest(self.module, per_rank)
+
+    def optimizer_digest(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+        return shards.optimizer_digest(optimizer)
+
+    def update_check(
+        self, optimizer: torch.optim.Optimizer, ring: Ring, config: GuardConfig
+    ) -> UpdateReplay | None:
+        """Plain FSDP2: the ring's replay of each rank's optimizer update (no replica holds it)."""
+        if self.layout.replicas > 1 or self.comm.world_size < 2 or not config.replay_update:
+            return None
+        if not replayable(optimizer):
+            log.warning(
+                "plain FSDP2 with %s: its update cannot be replayed shard by shard, so a corrupted "
+                "optimizer update goes undetected (use HSDP with 3+ replica groups, or one of the "
+                "elementwise torch optimizers: %s)",
+                type(optimizer).__name__,
+                ", ".join(c.__name__ for c in REPLAYABLE),
+            )
+            return None
+        return UpdateReplay(optimizer, self.comm, ring)

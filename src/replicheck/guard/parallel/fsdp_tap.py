@@ -1,0 +1,181 @@
+"""FSDP2's reduce-scatter slot: where the guard sees each rank's gradient of a sharded model.
+
+No rank of a sharded job holds a whole gradient: each layer's unsharded gradient exists for a
+moment on every rank, is copied into one flat buffer and reduce-scattered. The guard takes the
+reduce-scatter slot (``FSDPModule.set_custom_reduce_scatter``, public API) so it sees that
+buffer, this rank's own contribution, before the reduction: on a training pass it adds the
+buffer's squared norm to the rank's local gradient norm (a non-finite or huge gradient is named
+on the rank that produced it) and then reduce-scatters as FSDP would; on a probe pass it
+fingerprints the buffer and skips the reduction (every rank is in a probe pass at the same time,
+so every rank skips it). Nothing is kept but one fingerprint per layer group: no second copy of
+any gradient. ``docs/sharded.md`` gives the reasoning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter  # the public setter's type
+
+from replicheck import fingerprint as fp
+from replicheck.guard.attribution.verdict import Finding
+from replicheck.guard.checks import scatter
+from replicheck.guard.checks.health import GradStats, sq_norm
+from replicheck.guard.checks.scatter import ScatterCheck, supported
+from replicheck.guard.parallel.base import Capture
+
+
+def fsdp_modules(model: torch.nn.Module) -> list[tuple[str, FSDPModule]]:
+    """Every ``fully_shard`` unit in ``model`` (the root first), with its name."""
+    return [(n or "<root>", m) for n, m in model.named_modules() if isinstance(m, FSDPModule)]
+
+
+class _UnitReduceScatter(ReduceScatter):
+    """The reduce-scatter of one ``fully_shard`` unit, routed through the shared :class:`GradTap`."""
+
+    def __init__(self, tap: GradTap, name: str) -> None:
+        self._tap, self._name = tap, name
+
+    def allocate(
+        self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: Any,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        return self._tap.reduce_scatter(self._name, output_tensor, input_tensor, group, op, async_op)
+
+
+TapMode = Literal["train", "probe"]
+
+
+class GradTap(GradStats):
+    """The guard's view of a sharded model's gradients, one step at a time.
+
+    The same per-step statistics the guard reads from DDP's comm hook: the local norm is summed
+    over every reduce-scatter input of the step's training passes, the reduced digest (HSDP only,
+    where replica groups hold the same reduced shard) over every reduced shard.
+    """
+
+    def __init__(self, model: torch.nn.Module, *, digest_reduced: bool, check_scatter: bool = False) -> None:
+        self._mode: TapMode = "train"
+        self.scatter = ScatterCheck() if check_scatter else None
+        """Plain FSDP2: every training reduce-scatter checked against the sum of its inputs
+        (:mod:`replicheck.guard.checks.scatter`); ``None`` when off or under HSDP (replicas vote)."""
+        self.pre_scale = 1.0
+        """Factor this rank's gradient is multiplied by before a training reduce-scatter (a
+        ``LossSum`` step's division by its item count, after unreduced accumulation)."""
+        self._capture: Capture | None = None
+        self._captured: list[torch.Tensor] = []
+        self.units: list[str] = []
+        """The ``fully_shard`` units of the last probe pass, in the order their gradients came
+        (what each entry of a sharded fingerprint covers)."""
+        super().__init__(digest_reduced)
+        for name, unit in fsdp_modules(model):
+            unit.set_custom_reduce_scatter(_UnitReduceScatter(self, name))
+            unit.set_all_reduce_hook(self._after_reduce)
+
+    def reset(self) -> None:
+        """Start a step."""
+        super().reset()
+        self._index = 0
+        if self.scatter is not None:
+            self.scatter.reset()
+
+    def reduced_digest(self) -> torch.Tensor | int:
+        """HSDP: the reduced shards' digest; plain FSDP2 with the scatter check: its verdict."""
+        if self.scatter is not None:
+            return self.scatter.status()
+        return super().reduced_digest()
+
+    def reduced_finding(
+        self, values: Sequence[int], groups: Sequence[Sequence[int]] | None
+    ) -> Finding | None:
+        """Plain FSDP2 with the scatter check: every rank's verdict; else the replica vote."""
+        if self.scatter is not None:
+            return scatter.finding([int(v) for v in values])
+        return super().reduced_finding(values, groups)
+
+    @contextlib.contextmanager
+    def capturing(self, capture: Capture) -> Iterator[list[torch.Tensor]]:
+        """A probe pass: each reduce-scatter input goes to ``capture`` and is not reduced."""
+        if self._mode != "train":
+            raise RuntimeError("internal: nested probe capture")
+        self._mode, self._capture, self._captured = "probe", capture, []
+        self.units = []
+        try:
+            yield self._captured
+        finally:
+            self._mode, self._capture = "train", None
+
+    # -- FSDP's calls --------------------------------------------------------------------------
+    def reduce_scatter(
+        self,
+        unit: str,
+        output: torch.Tensor,
+        buffer: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: Any,
+        async_op: bool,
+    ) -> dist.Work | None:
+        if self._mode == "probe" and self._capture is not None:
+            self._captured.append(self._capture(buffer, len(self._captured)))
+            self.units.append(unit)
+            # Every rank is in the same probe pass: none reduces, and the discarded gradient is 0.
+            output.zero_()
+            return None
+        if self.pre_scale != 1.0:
+            buffer.mul_(self.pre_scale)
+        self._local_sq.append(sq_norm(buffer))
+        if self.scatter is not None and supported(op):
+            self.scatter.reduce(output, buffer, group, op)  # synchronous, as FSDP2 calls it
+            return None
+        work: dist.Work | None = dist.reduce_scatter_single(
+            output, buffer, op=op, group=group, async_op=async_op
+        )
+        return work
+
+    def _after_reduce(self, reduced: torch.Tensor) -> None:
+        if self._mode == "probe":
+            return
+        index, self._index = self._index, self._index + 1
+        self._run_hooks(index, reduced)
+        if self.scatter is not None and self.reduced_hooks:
+            # Only hooks run between the collective and here: without any, the shard is the
+            # collective's output, already sketched.
+            self.scatter.after_hooks(reduced)
+        if self.digest_reduced:
+            self._reduced[index] = fp.digest(reduced)
+
+
+@contextlib.contextmanager
+def gradient_sync(model: torch.nn.Module, sync: bool) -> Iterator[None]:
+    """A backward that reduces gradients (``sync``), or accumulates them unreduced on this rank
+    (FSDP2's ``set_requires_gradient_sync(False)``); nothing to do for another model."""
+    if sync or not isinstance(model, FSDPModule):
+        yield
+        return
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def collectives_of_forward(model: torch.nn.Module) -> None:
+    """Take part in a forward's parameter all-gathers without running it (unit by unit, in the
+    order FSDP runs them), for a rank whose loss function failed before it called the model."""
+    for _, unit in fsdp_modules(model):
+        unit.unshard()
+        unit.reshard()

@@ -1,0 +1,111 @@
+"""Discarded passes of a sharded model, run by every rank at once.
+
+A ``fully_shard`` model all-gathers its parameters in every forward and backward, so a pass is a
+collective: a replay that runs on some ranks only (an arbiter's, a suspect's re-run) would leave
+them waiting for the others. Every rank therefore runs the same number of passes in each phase,
+padding with a discarded filler pass, and the ranks share a failed/ok flag after each forward so
+that an error ends the pass on every rank before the backward's collectives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import torch
+
+from replicheck.guard.checks.health import sq_norm
+from replicheck.guard.context import current_step
+from replicheck.guard.errors import PeerFailed
+from replicheck.guard.loss import unpack
+from replicheck.guard.parallel.base import (
+    Capture,
+    DiscardedPass,
+    Fingerprints,
+    ForwardCounter,
+    LossRun,
+    Replays,
+    grads_put_back,
+)
+from replicheck.guard.parallel.fsdp_tap import GradTap, collectives_of_forward
+from replicheck.guard.transport.batch import batch_size, split
+from replicheck.guard.transport.comm import Comm
+
+T = TypeVar("T")
+
+
+class LockstepReplays(Replays):
+    """Runs a sharded model's discarded passes in lockstep with the other ranks."""
+
+    def __init__(
+        self,
+        comm: Comm,
+        tap: GradTap,
+        forwards: ForwardCounter,
+        model: torch.nn.Module,
+        params: Sequence[torch.nn.Parameter],
+    ) -> None:
+        self._comm, self._tap, self._forwards = comm, tap, forwards
+        self._model, self._params = model, list(params)
+        self._filler: Any = None
+
+    def begin_step(self, batch: Any, probe_size: int) -> None:
+        """The samples a rank with nothing to replay runs instead (the front of its step's batch)."""
+        self._filler = split(batch, min(probe_size, batch_size(batch)))[0]
+
+    def fingerprint(
+        self, p: DiscardedPass, prints: Fingerprints, seed: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        with p.contexts():
+            loss, parts = self._gradients(p.run, p.weight, prints.part(seed))
+        return loss, prints.join(parts)
+
+    def gradient_norm(self, passes: Sequence[DiscardedPass]) -> torch.Tensor | None:
+        """The local norm summed over each pass's gradient buffers, as a sharded step's row has it."""
+        squares: list[torch.Tensor] = []
+        for p in passes:
+            with p.contexts():
+                squares += self._gradients(p.run, p.weight, _square)[1]
+        if not squares:
+            return None
+        return torch.stack(squares).sum().sqrt()
+
+    def _gradients(
+        self, run: LossRun, weight: float, capture: Capture
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """One pass: ``run()`` gives the loss; each gradient buffer goes to ``capture``.
+
+        Every ``.grad`` is left as it was, and no gradient is reduced (every rank is in a pass).
+        """
+        entered = self._forwards.count
+        loss: torch.Tensor | None = None
+        error: Exception | None = None
+        try:
+            loss, _ = unpack(run())
+        except Exception as exc:  # noqa: BLE001 - raised below, once every rank knows
+            error = exc
+            if self._forwards.count == entered:
+                collectives_of_forward(self._model)
+        failed = self._comm.host_flags(error is not None)
+        if any(failed):
+            if error is not None:
+                raise error
+            raise PeerFailed(current_step(), tuple(r for r, f in enumerate(failed) if f))
+        if loss is None:
+            raise RuntimeError("internal: a pass without a loss")
+        with grads_put_back(self._params), self._tap.capturing(capture) as parts:
+            (loss * weight).backward()  # type: ignore[no-untyped-call]
+        return loss, list(parts)
+
+    def together(self, passes: int, run: Callable[[], T], filler: Callable[[Any], object]) -> T:
+        """``run()`` (``passes`` passes on this rank), then filler passes up to the most any rank
+        runs, so every rank leaves the phase after the same collectives."""
+        most = self._comm.max_int(passes)
+        out = run()
+        for _ in range(most - passes):
+            filler(self._filler)
+        return out
+
+
+def _square(t: torch.Tensor, index: int) -> torch.Tensor:
+    return sq_norm(t)

@@ -1,0 +1,326 @@
+"""The guard: one optimizer step, checked, and stopped before a corrupted update is applied.
+
+How the job is parallel is the :class:`~replicheck.guard.parallel.base.Parallelism`'s business:
+the guard asks it and holds no branch on the model's type (``docs/architecture.md``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+import torch
+
+from replicheck.guard.attribution.resolve import Replayer
+from replicheck.guard.attribution.ring import Ring
+from replicheck.guard.attribution.verdict import Finding
+from replicheck.guard.checks import replicas, scaling
+from replicheck.guard.checks.health import ReducedHook
+from replicheck.guard.config import GuardConfig
+from replicheck.guard.context import running
+from replicheck.guard.errors import BatchError, CorruptionDetected, GuardConfigError
+from replicheck.guard.loss import LossFn, unpack
+from replicheck.guard.modules import unwrap
+from replicheck.guard.parallel.base import Parallelism, detect
+from replicheck.guard.runtime import RuntimeInfo
+from replicheck.guard.step.apply import UpdateApplier
+from replicheck.guard.step.determinism import prepare_cublas
+from replicheck.guard.step.failure import StepFailure
+from replicheck.guard.step.judge import StepJudge
+from replicheck.guard.step.passes import StepPasses
+from replicheck.guard.step.replay import Fingerprinter, Recompute, buffers_restored
+from replicheck.guard.step.report import IncidentBuilder
+from replicheck.guard.step.rng import forked_rng
+from replicheck.guard.step.state import StateDigests
+from replicheck.guard.step.support import check_loss_fn, check_model, check_optimizer
+from replicheck.guard.step.verify import RowBuilder
+from replicheck.guard.transport.batch import batch_size
+from replicheck.guard.transport.comm import Comm
+from replicheck.guard.transport.records import StepRow
+from replicheck.incident import NodeIdentity
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What :meth:`Guard.step` returns for a step that ended without an incident."""
+
+    loss: float
+    """This rank's loss for the step, normalised as ``loss_fn`` says (a ``LossSum``: total over
+    the step's items divided by their count)."""
+    step: int
+    """Index of the step just completed."""
+    verified: bool
+    """True when this step ran the ring replay (and it passed)."""
+    replicas_checked: bool = False
+    """True when weights and optimizer state were compared across replicas on this step."""
+    skipped: bool = False
+    """True when the loss scaler overflowed and the step was skipped on every rank, as the scaler
+    does: no update applied, the scale lowered (only with ``scaler=``)."""
+
+
+class Guard:
+    """Owns one optimizer step of a distributed training job and checks it for silent corruption.
+
+    ``loss_fn(module, batch)`` returns the scalar loss (its kind declared by
+    ``GuardConfig.loss_reduction``) or a :class:`~replicheck.guard.LossSum`; it is called with
+    the wrapper (DDP) for training passes and with the bare module for replays. ``scaler`` (fp16
+    training) is the job's ``torch.amp.GradScaler``: the guard scales each backward with it and
+    steps through it (:mod:`replicheck.guard.checks.scaling`). ``parallelism`` says how the job is
+    parallel when no built-in kind claims the model (DDP, ``fully_shard``, one process). With
+    world size 1 a verification re-executes the probe on the same device, which catches transient
+    faults only.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        loss_fn: LossFn,
+        config: GuardConfig | None = None,
+        node: str | NodeIdentity | None = None,
+        *,
+        scaler: torch.amp.GradScaler | None = None,
+        parallelism: Parallelism | None = None,
+    ) -> None:
+        cfg = config if config is not None else GuardConfig()
+        if not isinstance(cfg, GuardConfig):
+            raise GuardConfigError("config must be a GuardConfig")
+        self._config = cfg
+        check_loss_fn(loss_fn)
+        check_optimizer(optimizer)
+        self._optimizer, self._loss_fn = optimizer, loss_fn
+        self._scaler = scaling.checked_scaler(scaler)
+        check_model(unwrap(model))
+        par = parallelism if parallelism is not None else detect(model)
+        self._par = par
+        named = par.named_params()
+        self._params = [p for _, p in named]
+        self._device = par.local(self._params[0]).device
+        prepare_cublas(self._device, cfg.use_deterministic)
+
+        identity, job_id = _identity(node, cfg.job_id)
+        self._nodes: tuple[NodeIdentity, ...] = tuple(self.comm.gather_objects(identity))
+        self._ring = Ring.build([n.name for n in self._nodes])
+
+        self._fail = StepFailure(optimizer, par)
+        self._health = par.install(cfg, self._fail.flags.any_failed)
+        fingerprinter = Fingerprinter(cfg.mode, cfg.sketch_k, cfg.sketch_block)
+        self._recompute = Recompute(par, loss_fn, self._params, fingerprinter, cfg.use_deterministic)
+        self._judge = StepJudge(
+            cfg,
+            self.comm,
+            self._ring,
+            [n.name for n in self._nodes],
+            self._recompute,
+            self._device,
+            reduced_finding=self._health.reduced_finding,
+            loss_scale=self._scaler.get_scale if self._scaler is not None else None,
+            replica_groups=par.replica_groups,
+        )
+        if cfg.mode == "exact" and not cfg.use_deterministic:
+            log.warning("exact mode without deterministic kernels: a replay may differ by kernel noise")
+        self._apply = UpdateApplier(
+            optimizer, self._scaler, par.update_check(optimizer, self._ring, cfg), self._raise
+        )
+        self._passes = StepPasses(
+            config=cfg,
+            parallelism=par,
+            loss_fn=loss_fn,
+            params=self._params,
+            fail=self._fail,
+            recompute=self._recompute,
+            fingerprinter=fingerprinter,
+            health=self._health,
+            scaler=self._scaler,
+        )
+        self._state = StateDigests(par, optimizer, self._scaler, cfg.per_rank_buffers)
+        judge = self._judge
+        self._rows = RowBuilder(
+            self._ring,
+            cfg.mode,
+            self._health,
+            self._fail,
+            self._recompute,
+            self._scaler,
+            self._state,
+            lambda: judge.calibrating,
+        )
+        if self.world_size == 1:
+            warnings.warn(
+                "replicheck: world size 1, so a verification re-runs the probe on the same device: "
+                "only transient faults can be caught (a persistent fault gives the same wrong answer "
+                "twice). Run with 2 or more ranks to catch persistent faults.",
+                stacklevel=2,
+            )
+        self._next_step = cfg.start_step
+        self._needs_rebuild = par.rebuilds_on_resume and cfg.start_step > 0 and cfg.rebuild_buckets_on_resume
+        self.last_verified_step: int | None = cfg.resume_verified_step
+        """The newest step whose verification passed (a resumed job may set it from its checkpoint)."""
+        self._reporter = IncidentBuilder(
+            job_id=job_id,
+            rank=self.rank,
+            nodes=self._nodes,
+            param_names=tuple(n for n, _ in named),
+            ring=self._ring.order,
+            mode=cfg.mode,
+            incident_dir=cfg.incident_dir,
+            attempt=RuntimeInfo.attempt_from_env(),
+            incident_mode=cfg.incident_mode,
+        )
+
+    # -- public -----------------------------------------------------------------------------
+    @property
+    def config(self) -> GuardConfig:
+        """The guard's configuration."""
+        return self._config
+
+    @property
+    def parallelism(self) -> Parallelism:
+        """How the guarded job is parallel (the seam every check asks)."""
+        return self._par
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in the guarded job's process group."""
+        return self.comm.rank
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in the guarded job's process group."""
+        return self.comm.world_size
+
+    @property
+    def comm(self) -> Comm:
+        """Collectives over the guarded job's process group (the checkpoint store uses them)."""
+        return self._par.comm
+
+    @property
+    def next_step(self) -> int:
+        """Index of the step the next call to :meth:`step` runs."""
+        return self._next_step
+
+    def add_reduced_gradient_hook(self, hook: ReducedHook) -> Callable[[], None]:
+        """Call ``hook(bucket_index, tensor)`` on each reduced gradient bucket; returns a remover."""
+        self._health.reduced_hooks.append(hook)
+
+        def remove() -> None:
+            if hook in self._health.reduced_hooks:
+                self._health.reduced_hooks.remove(hook)
+
+        return remove
+
+    def check_replicas(self) -> None:
+        """Collective: compare weights and optimizer state now; raise CorruptionDetected if they differ."""
+        step = self._next_step - 1
+        row: StepRow[float, int | torch.Tensor] = StepRow(
+            loss=0.0,
+            local_norm=0.0,
+            reduced=0,
+            weights=self._state.weights(),
+            optimizer=self._state.optimizer(),
+        )
+        rows = StepRow.decode(self.comm.gather_rows(row.encode(self._device)))
+        findings = replicas.findings(
+            [int(r.weights) for r in rows], [int(r.optimizer) for r in rows], self._par.replica_groups
+        )
+        if findings:
+            self._raise(step, findings)
+
+    def step(self, *microbatches: Any) -> StepResult:
+        """Run one guarded optimizer step over one batch or several micro-batches."""
+        if not microbatches:
+            raise BatchError("step() needs at least one batch")
+        cfg = self._config
+        s = self._next_step
+        sizes = [batch_size(mb) for mb in microbatches]
+        verify = s % cfg.verify_every == 0
+        check_replicas = self._par.replicated and cfg.weights_every > 0 and s % cfg.weights_every == 0
+        if self._needs_rebuild:
+            self._rebuild_buckets(microbatches[0])
+        self._recompute.begin_step(microbatches[0], cfg.probe_size)
+        self._optimizer.zero_grad(set_to_none=True)
+        self._health.reset()
+        self._fail.reset()
+
+        own = (
+            self._passes.own_probe(s, microbatches[0], sizes[0], sum(sizes), more=len(sizes) > 1)
+            if verify
+            else None
+        )
+        done = self._passes.backward(s, list(microbatches), sizes, own)
+        row, view = self._rows.row(s, done, own, check_replicas)
+        # The step's one device→host transfer: every rank's row, after the all-gather.
+        rows = StepRow.decode(self.comm.gather_rows(row.encode(self._device)))
+        self._fail.stop(s, [r.failed for r in rows])
+        findings = self._judge.evaluate(
+            s, rows, check_replicas=check_replicas, view=view, passes=done.passes, replayer=self._replayer
+        )
+        result = StepResult(
+            loss=float(rows[self.rank].loss), step=s, verified=verify, replicas_checked=check_replicas
+        )
+        if findings and self._scaler is not None and scaling.is_overflow(findings, self.world_size):
+            self._apply.skip_overflow(s)
+            self._next_step = s + 1
+            return dataclasses.replace(result, verified=False, skipped=True)
+        if findings:
+            self._raise(s, findings)
+        self._apply.apply(s, verify)
+        if verify:
+            self.last_verified_step = s
+            log.info("step %d verified (replay) on rank %d", s, self.rank)
+        if check_replicas:
+            log.info("step %d weights and optimizer state agree across %d ranks", s, self.world_size)
+        self._next_step = s + 1
+        return result
+
+    def _replayer(self, s: int) -> Replayer:
+        return lambda payload: self._recompute.payload(payload, s)
+
+    def _raise(self, s: int, findings: list[Finding]) -> NoReturn:
+        self._optimizer.zero_grad(set_to_none=True)
+        names = self._par.fingerprint_names()
+        if names is not None:
+            self._reporter = dataclasses.replace(self._reporter, param_names=names)
+        incident = self._reporter.build(
+            s, findings, self.last_verified_step, time=self._reporter.raised_at(self.comm)
+        )
+        try:
+            self._reporter.write(incident)
+        except OSError as exc:
+            # The step is stopped on every rank whether or not the record reached the disk.
+            raise CorruptionDetected(incident, write_error=str(exc)) from exc
+        raise CorruptionDetected(incident)
+
+    def _rebuild_buckets(self, batch: Any) -> None:
+        """One synced backward, gradients discarded, so DDP settles its bucket layout."""
+        self._needs_rebuild = False
+        with (
+            forked_rng(p.device for p in self._params),
+            running(self._next_step, "rebuild"),
+            buffers_restored(self._par.module),
+        ):
+            loss, _ = unpack(self._loss_fn(self._par.model, batch))
+            _backward(loss)
+        self._optimizer.zero_grad(set_to_none=True)
+        self._health.reset()
+
+
+def _backward(loss: torch.Tensor) -> None:
+    loss.backward()  # type: ignore[no-untyped-call]  # torch's stubs leave Tensor.backward untyped
+
+
+def _identity(node: str | NodeIdentity | None, job_id: str | None) -> tuple[NodeIdentity, str]:
+    """This process's node and the job id; the environment is read only for what is not given."""
+    if node is None:
+        env = RuntimeInfo.from_env()
+        return env.node, job_id or env.job_id
+    identity = NodeIdentity(name=node) if isinstance(node, str) else node
+    if job_id is None:
+        return identity, RuntimeInfo.from_env().job_id
+    return identity, job_id or "local"

@@ -1,0 +1,259 @@
+"""The passes of one guarded step on this rank: the probe (split from the batch or extra) and the
+training passes, with the loss contract (weights, ``LossSum`` division) and the failure protocol."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import warnings
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from replicheck.guard.checks.health import GradStats
+from replicheck.guard.config import GuardConfig, ProbeMode
+from replicheck.guard.context import running
+from replicheck.guard.errors import GuardError, LossContractError
+from replicheck.guard.loss import LossFn
+from replicheck.guard.parallel.base import Parallelism
+from replicheck.guard.step.failure import StepFailure
+from replicheck.guard.step.replay import (
+    BackwardPass,
+    Fingerprinter,
+    Recompute,
+    deterministic,
+    probe_seed,
+    seeded,
+)
+from replicheck.guard.transport.batch import split
+from replicheck.guard.transport.records import ProbePayload, ProbeResult
+from replicheck.guard.transport.transfer import host_result
+
+
+@dataclass(frozen=True)
+class SplitProbe:
+    """In ``split`` mode the probe is the front of the first micro-batch and counts for the step."""
+
+    loss: torch.Tensor
+    """The probe's (detached) loss."""
+    count: float | None
+    """Its item count when ``loss_fn`` returned a ``LossSum``."""
+    weight: float
+    """Its share of the step's loss (1 for a ``LossSum``: the step rescales at the end)."""
+    rest: Any | None
+    """The rest of the first micro-batch, or ``None`` when the probe took all of it."""
+
+
+@dataclass(frozen=True)
+class OwnProbe:
+    """This rank's probe of a verification step."""
+
+    payload: ProbePayload
+    """What is sent to the verifier."""
+    split: SplitProbe | None
+    """Set when the probe already ran as part of the real batch."""
+
+
+@dataclass
+class Backward:
+    """What the step's backward passes left behind."""
+
+    loss: torch.Tensor
+    """The rank's loss for the step (float64, on the device: it reaches the host in the row)."""
+    passes: list[BackwardPass]
+    """The passes as they ran, for a re-run on the failure path."""
+
+
+class StepPasses:
+    """Runs the forward and backward passes of this rank's step (not the replays)."""
+
+    def __init__(
+        self,
+        *,
+        config: GuardConfig,
+        parallelism: Parallelism,
+        loss_fn: LossFn,
+        params: Sequence[torch.nn.Parameter],
+        fail: StepFailure,
+        recompute: Recompute,
+        fingerprinter: Fingerprinter,
+        health: GradStats,
+        scaler: torch.amp.GradScaler | None,
+    ) -> None:
+        self._config, self._par, self._loss_fn = config, parallelism, loss_fn
+        self._model, self._rank = parallelism.model, parallelism.comm.rank
+        self._params = list(params)
+        self._fail, self._recompute, self._fingerprinter = fail, recompute, fingerprinter
+        self._health, self._scaler = health, scaler
+        self._batchnorms = [
+            m for m in parallelism.module.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
+        ]
+        self._loss_sum: bool | None = None  # whether loss_fn returns a LossSum; None: not seen yet
+        self._warned_split = False
+
+    def _scaled(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss the backward runs on: scaled by the job's loss scaler, when there is one."""
+        return self._scaler.scale(loss) if self._scaler is not None else loss
+
+    def backward(self, s: int, mbs: list[Any], sizes: Sequence[int], own: OwnProbe | None) -> Backward:
+        """The training passes (after a split probe, the rest of the batch); the last one syncs.
+
+        Plain losses are weighted by ``loss_reduction`` (sample share, or 1 for a sum). ``LossSum``
+        passes run unscaled and the gradient is divided by the step's item count just before
+        the last (synced) backward, so the all-reduced gradient is the unsplit one.
+        """
+        total = sum(sizes)
+        per_pass = 1.0 if self._config.loss_reduction == "sum" else None
+        weights = [per_pass if per_pass is not None else n / total for n in sizes]
+        parts: list[tuple[float, torch.Tensor, float | None]] = []  # (weight, loss, count)
+        passes: list[BackwardPass] = []
+        if own is not None and own.split is not None:
+            probe = own.split
+            parts.append((probe.weight, probe.loss, probe.count))
+            passes.append(BackwardPass(batch=own.payload.batch, weight=probe.weight, seed=own.payload.seed))
+            if probe.rest is None:
+                mbs.pop(0)
+                weights.pop(0)
+            else:
+                mbs[0] = probe.rest
+                if per_pass is None:
+                    weights[0] = (sizes[0] - own.payload.size) / total
+        scale = 1.0
+        for i, mb in enumerate(mbs):
+            last = i == len(mbs) - 1
+            with self._par.accumulate(sync=last), running(s, "train"):
+                got = self._fail.forward(functools.partial(self._loss_fn, self._model, mb), "training pass")
+                if got is None:
+                    continue  # this rank failed: no backward (its peers learn it before theirs syncs)
+                loss, count = got
+                self._note_loss_kind(count)
+                w = weights[i]
+                # Where each pass's gradient is reduced across ranks, a LossSum's division by this
+                # rank's item count cannot wait until after earlier passes: they accumulate
+                # unreduced and the last reduction divides (set_reduction_scale).
+                deferred = count is not None and len(mbs) > 1 and self._par.reduces_every_pass
+                if count is not None:
+                    w = 1.0
+                    if last:
+                        items = sum(c or 0.0 for _, _, c in parts) + count
+                        scale = 1.0 / items if items > 0 else 1.0
+                        if deferred:
+                            self._par.set_reduction_scale(scale)
+                        else:
+                            w = scale
+                            self._scale_grads(scale)
+                with self._par.hold_reduction(not (last or not deferred)):
+                    self._fail.backward(self._scaled(loss * w), synced=last)
+            parts.append((w, loss.detach(), count))
+            passes.append(BackwardPass(batch=mb, weight=w, seed=None))
+        self._par.set_reduction_scale(1.0)
+        if self._health.errors:
+            self._fail.note(self._health.errors[0])
+        self._fail.stop_after_passes(s)
+        if self._loss_sum:
+            passes = [dataclasses.replace(p, weight=scale) for p in passes]
+            step_loss = _total(part.double() for _, part, _ in parts) * scale
+        else:
+            step_loss = _total(w * part.double() for w, part, _ in parts)
+        self._health.after_passes(self._params)
+        if self._health.errors:
+            self._fail.note(self._health.errors[0])
+        return Backward(loss=step_loss, passes=passes)
+
+    def _note_loss_kind(self, count: float | None) -> None:
+        kind = count is not None
+        if self._loss_sum is not None and kind != self._loss_sum:
+            raise LossContractError("loss_fn must return a LossSum on every call or on none")
+        self._loss_sum = kind
+
+    def _scale_grads(self, scale: float) -> None:
+        """Scale what earlier (unsynced) passes accumulated, before the synced pass adds to it."""
+        if scale == 1.0:
+            return
+        with torch.no_grad():
+            for p in self._params:
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+
+    def probe_mode(self) -> ProbeMode:
+        """``split`` only where it leaves the update unchanged; else ``extra``."""
+        cfg = self._config
+        if not self._par.split_probe:
+            return "extra"
+        if cfg.probe == "extra" or (cfg.probe == "auto" and any(m.training for m in self._batchnorms)):
+            return "extra"
+        if self._loss_sum or cfg.loss_reduction != "unknown":
+            return "split"
+        if cfg.probe == "split" and self._loss_sum is False and not self._warned_split:
+            self._warned_split = True
+            warnings.warn(
+                "probe='split' needs a loss whose split is exact: return a LossSum from loss_fn or "
+                "set GuardConfig.loss_reduction; using probe='extra' so the update is unchanged",
+                stacklevel=3,
+            )
+        return "extra"
+
+    def own_probe(self, s: int, first: Any, size: int, total: int, more: bool) -> OwnProbe:
+        """Compute this rank's probe; in split mode it is also the first part of the real batch."""
+        cfg = self._config
+        p = min(cfg.probe_size, size)
+        probe_batch, rest = split(first, p)
+        seed = probe_seed(cfg.seed, s, self._rank)
+        weight = 1.0 if self._loss_sum or cfg.loss_reduction == "sum" else p / total
+        # Replays multiply by the loss scale as a number (a power of two: exact), read once here.
+        loss_scale = self._scaler.get_scale() if self._scaler is not None else 1.0
+        split_probe = None
+        if self.probe_mode() == "split" and (size > p or more):
+            with (
+                self._par.accumulate(sync=False),
+                running(s, "probe"),
+                seeded(seed, self._params[0].device),
+                deterministic(cfg.use_deterministic),
+            ):
+                got = self._fail.forward(lambda: self._loss_fn(self._model, probe_batch), "probe")
+                if got is not None:
+                    loss, count = got
+                    self._note_loss_kind(count)
+                    weight = 1.0 if count is not None else weight
+                    self._fail.backward(loss * (weight * loss_scale), synced=False)
+            if got is None:
+                # This rank failed: keep the step's shape (the same passes, so the same flags
+                # as its peers) until every rank stops after the passes.
+                result = ProbeResult(math.nan, torch.zeros(0))
+                loss, count = torch.zeros(()), None
+            else:
+                result = host_result(loss, self._fingerprinter([q.grad for q in self._params], seed))
+            split_probe = SplitProbe(
+                loss=loss.detach(), count=count, weight=weight, rest=rest if size > p else None
+            )
+        else:
+            # An error here stops every rank at the first training pass's forward.
+            computed = self._fail.attempt(
+                lambda: self._recompute.probe(
+                    probe_batch, weight=weight * loss_scale, seed=seed, step=s, pass_="probe"
+                )
+            )
+            result = computed if computed is not None else ProbeResult(math.nan, torch.zeros(0))
+        payload = ProbePayload(
+            step=s,
+            source=self._rank,
+            batch=probe_batch,
+            weight=weight * loss_scale,
+            seed=seed,
+            size=p,
+            result=result,
+        )
+        return OwnProbe(payload=payload, split=split_probe)
+
+
+def _total(parts: Iterable[torch.Tensor]) -> torch.Tensor:
+    """The parts added in order on their device (as the float sum was, so the bits are the same)."""
+    out: torch.Tensor | None = None
+    for p in parts:
+        out = p if out is None else out + p
+    if out is None:
+        raise GuardError("internal: a step without passes")
+    return out

@@ -1,0 +1,199 @@
+"""The few collectives the guard needs, over a torch.distributed process group.
+
+Every tensor given to a collective is held in :data:`~replicheck.guard.transport.inflight.IN_FLIGHT` until
+the backend has released it (see that module: an abort at interpreter exit otherwise).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+
+from replicheck.guard.errors import CommError
+from replicheck.guard.transport.batch import pack, unpack
+from replicheck.guard.transport.inflight import IN_FLIGHT
+from replicheck.guard.transport.transfer import to_host
+
+T = TypeVar("T")
+
+
+class Comm:
+    """Collectives of one process group; world size 1 short-circuits every call."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.group = group
+        self.rank = dist.get_rank(group) if self.distributed else 0
+        self.world_size = dist.get_world_size(group) if self.distributed else 1
+        backend = dist.get_backend(group) if self.distributed else "none"
+        # NCCL moves only device tensors; gloo only CPU ones.
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        )
+        self._host_group: dist.ProcessGroup | None = None
+        self._p2p_ready = False
+
+    def _keep(self, *tensors: torch.Tensor) -> None:
+        IN_FLIGHT.hold(tensors)
+
+    def global_rank(self, group_rank: int) -> int:
+        if not self.distributed or self.group is None:
+            return group_rank
+        return dist.get_global_rank(self.group, group_rank)
+
+    def gather_rows(self, row: torch.Tensor) -> torch.Tensor:
+        """All-gather one 1-D int64 row per rank into a ``(world, len)`` CPU tensor.
+
+        One counted device→host transfer: after the all-gather where the group moves device
+        tensors (NCCL), before it where it moves host tensors (gloo).
+        """
+        if self.world_size == 1:
+            return to_host(row.reshape(1, -1), "step row").clone()
+        if self.device.type == "cpu":
+            return self._gather_host(to_host(row, "step row"))
+        local = row.to(self.device)
+        out = [torch.empty_like(local) for _ in range(self.world_size)]
+        dist.all_gather(out, local, group=self.group)
+        self._keep(local, *out)
+        return to_host(torch.stack(out), "step row")
+
+    def _gather_host(self, local: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+        """All-gather of a CPU row over a group that moves host tensors (no transfer)."""
+        out = [torch.empty_like(local) for _ in range(self.world_size)]
+        dist.all_gather(out, local, group=group if group is not None else self.group)
+        self._keep(local, *out)
+        return torch.stack(out)
+
+    def max_int(self, value: int) -> int:
+        """The largest ``value`` any rank gives (waits for every rank)."""
+        if self.world_size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        self._keep(t)
+        return int(to_host(t, "pass count")[0])
+
+    def host_flags(self, flag: bool) -> list[bool]:
+        """Every rank's ``flag`` (waits for every rank: :meth:`post_host_flag`, then its result)."""
+        return self.post_host_flag(flag)()
+
+    def post_host_flag(self, flag: bool) -> Callable[[], list[bool]]:
+        """Start gathering every rank's ``flag`` without touching the accelerator; returns the
+        wait for the result.
+
+        Gloo groups gather the host value in place, asynchronously. On NCCL a one-value
+        all-gather of a device tensor would wait for the device's queued work, so the flags
+        travel over a CPU (gloo) group created on first use (every rank posts at the same points,
+        so the group is created symmetrically); over an NCCL subgroup (``new_group`` needs every
+        process of the job) the device path is used, synchronously.
+        """
+        if self.world_size == 1:
+            return lambda: [flag]
+        local = torch.tensor([int(flag)], dtype=torch.int64)
+        whole_world = self.group is None or self.group == dist.group.WORLD
+        if self.device.type == "cpu":
+            group = self.group
+        elif whole_world:
+            if self._host_group is None:
+                ranks = [self.global_rank(r) for r in range(self.world_size)]
+                self._host_group = dist.new_group(ranks, backend="gloo")
+            group = self._host_group
+        else:
+            flags = [bool(f) for f in self.gather_rows(local)[:, 0].tolist()]
+            return lambda: flags
+        out = [torch.empty_like(local) for _ in range(self.world_size)]
+        work = dist.all_gather(out, local, group=group, async_op=True)
+        self._keep(local, *out)
+
+        def wait() -> list[bool]:
+            if work is not None:
+                work.wait()
+            return [bool(int(t[0])) for t in out]
+
+        return wait
+
+    def gather_objects(self, obj: T) -> list[T]:
+        """Every rank's ``obj`` (pickled), indexed by rank."""
+        if self.world_size == 1:
+            return [obj]
+        # Not all_gather_object: its tensors are torch's own, which this class cannot keep alive.
+        data = pack(obj).to(self.device)
+        length = torch.tensor([data.numel()], dtype=torch.int64, device=self.device)
+        lengths = [torch.empty_like(length) for _ in range(self.world_size)]
+        dist.all_gather(lengths, length, group=self.group)
+        sizes = [int(n) for n in to_host(torch.cat(lengths), "object lengths").tolist()]
+        padded = torch.zeros(max(sizes), dtype=torch.uint8, device=self.device)
+        padded[: data.numel()] = data
+        out = [torch.empty_like(padded) for _ in range(self.world_size)]
+        dist.all_gather(out, padded, group=self.group)
+        self._keep(length, *lengths, padded, *out)
+        return [unpack(t[:n]) for t, n in zip(out, sizes)]
+
+    def exchange(self, sends: Sequence[tuple[int, object]], recv_from: Sequence[int]) -> dict[int, object]:
+        """Send each ``(dest, obj)`` and receive one object from every rank in ``recv_from``.
+
+        Collective: every rank of the group calls it at the same point, also a rank with nothing
+        to send or receive. The lengths, then the data, travel as one grouped
+        ``batch_isend_irecv`` each, so no pattern of pairs (a ring included) can deadlock on the
+        order in which ranks post their sends and receives, which separate ``isend``/``irecv``
+        calls can under NCCL. At most one message per pair and direction.
+        """
+        _check_pattern(self.rank, self.world_size, [dst for dst, _ in sends], list(recv_from))
+        if self.world_size == 1:
+            return {src: obj for (_, obj), src in zip(sends, recv_from)}
+        self._ensure_p2p_ready()
+        payloads = [(dst, pack(obj).to(self.device)) for dst, obj in sends]
+        lengths_out = [
+            (dst, torch.tensor([p.numel()], dtype=torch.int64, device=self.device)) for dst, p in payloads
+        ]
+        lengths_in = [(src, torch.zeros(1, dtype=torch.int64, device=self.device)) for src in recv_from]
+        self._grouped(lengths_out, lengths_in)
+        sizes = (
+            to_host(torch.cat([n for _, n in lengths_in]), "exchange lengths").tolist() if lengths_in else []
+        )
+        data_in = [
+            (src, torch.empty(int(n), dtype=torch.uint8, device=self.device))
+            for (src, _), n in zip(lengths_in, sizes)
+        ]
+        self._grouped(payloads, data_in)
+        return {src: unpack(t) for src, t in data_in}
+
+    def _ensure_p2p_ready(self) -> None:
+        """One collective over the group before its first point-to-point batch.
+
+        NCCL requires every rank of the group in the group's first collective call; a batch that
+        involves only some ranks (arbitration) is allowed only after that. Every rank calls
+        :meth:`exchange` at the same points, so this runs on every rank alike.
+        """
+        if not self._p2p_ready:
+            # A device all-reduce: no host transfer, nothing to wait for here.
+            # A device all-reduce: no host transfer, nothing to wait for here.
+            ready = torch.zeros(1, dtype=torch.int64, device=self.device)
+            dist.all_reduce(ready, group=self.group)
+            self._keep(ready)
+            self._p2p_ready = True
+
+    def _grouped(
+        self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]]
+    ) -> None:
+        """Post ``sends`` and ``recvs`` (group ranks) as one batch and wait for all of them."""
+        ops = [dist.P2POp(dist.isend, t, group=self.group, group_peer=dst) for dst, t in sends]
+        ops += [dist.P2POp(dist.irecv, t, group=self.group, group_peer=src) for src, t in recvs]
+        if not ops:
+            return  # torch refuses an empty batch; this rank takes no part in this exchange
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        self._keep(*(t for _, t in sends), *(t for _, t in recvs))
+
+
+def _check_pattern(rank: int, world_size: int, dests: Sequence[int], sources: Sequence[int]) -> None:
+    """Refuse what the grouped exchange cannot match: a peer twice, this rank, or no such rank."""
+    for kind, peers in (("destination", dests), ("source", sources)):
+        if len(set(peers)) != len(peers):
+            raise CommError(f"exchange: a {kind} appears twice in {list(peers)}")
+        bad = [p for p in peers if not 0 <= p < world_size or (p == rank and world_size > 1)]
+        if bad:
+            raise CommError(f"exchange: invalid {kind} rank(s) {bad} on rank {rank} of {world_size}")
