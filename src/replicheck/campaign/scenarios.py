@@ -138,6 +138,26 @@ per-block rounding noise measured in 2,000 replay pairs (docs/results/soak-bf16.
 BF16_CEILING = 0.2
 """Tolerant ceiling for bf16 autocast jobs."""
 
+
+def bf16_tolerant() -> dict[str, Any]:
+    """Tolerant mode under bf16 autocast with noisy kernels, as the bf16 soak measured it: the
+    fields a :class:`Scenario` and a soak's configuration both take, by the same names."""
+    return dict(
+        mode="tolerant",
+        loss="lm_bf16",
+        noise=KernelNoise(module="norm", rel=1e-6, seed=1),
+        tolerance_floor=BF16_FLOOR,
+        tolerance_ceiling=BF16_CEILING,
+        sketch_block=BF16_BLOCK,
+    )
+
+
+def tolerance_overrides(floor: float | None, ceiling: float | None, block: int | None) -> dict[str, Any]:
+    """The ``GuardConfig`` tolerant-mode fields a run sets; the others keep the guard's defaults."""
+    given = (("tolerance_floor", floor), ("tolerance_ceiling", ceiling), ("sketch_block", block))
+    return {k: v for k, v in given if v is not None}
+
+
 _FFN = "blocks.0.ffn"
 _WGRAD = "blocks.0.ffn.down.weight"
 
@@ -147,15 +167,7 @@ def default_scenarios() -> list[Scenario]:
     fwd = Fault.at_forward(_FFN).persistent(from_step=23).bitflip(bit=22)
     wgrad = Fault.at_weight_gradient(_WGRAD).persistent(from_step=23).zero_chunk()
     noise = KernelNoise(module="norm", rel=1e-6, seed=1)
-    # Tolerant mode under bf16 autocast with noisy kernels, as the bf16 soak measured it.
-    bf16: dict[str, Any] = dict(
-        mode="tolerant",
-        loss="lm_bf16",
-        noise=noise,
-        tolerance_floor=BF16_FLOOR,
-        tolerance_ceiling=BF16_CEILING,
-        sketch_block=BF16_BLOCK,
-    )
+    bf16 = bf16_tolerant()
     return [
         Scenario(
             name="aws-persistent-3n",
