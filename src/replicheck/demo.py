@@ -18,13 +18,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from replicheck.campaign.runner import resolve
+from replicheck.campaign.runner import Job, resolve
 from replicheck.campaign.scenarios import JobDefaults, Scenario, default_scenarios, select
 from replicheck.checkpoint import CheckpointStore
 from replicheck.controller import Controller, ControllerConfig, LocalBackend
 from replicheck.guard import GuardConfig
 from replicheck.harness.jobs import JobResult, JobSpec, train
-from replicheck.harness.launch import run_local
+from replicheck.harness.launch import node_names, run_local
 from replicheck.incident import Incident, write_incident
 
 
@@ -74,20 +74,32 @@ class _Plan:
 
     root: Path
     """Output directory."""
-    scenario: Scenario
-    """The scenario played."""
-    job: Any
+    job: Job
     """The campaign job resolved from the scenario."""
-    names: list[str]
-    """The job's simulated nodes."""
-    ranks_nodes: list[str]
-    """Node of every rank."""
     spec: JobSpec
     """The training job run first (with the fault)."""
     guard: GuardConfig
     """The guard configuration of that job."""
-    fault_rank: int | None
-    """The rank the fault hits, if any."""
+
+    @property
+    def scenario(self) -> Scenario:
+        """The scenario played."""
+        return self.job.scenario
+
+    @property
+    def ranks_nodes(self) -> list[str]:
+        """Node of every rank, named as the campaign names them."""
+        return node_names(self.job.nodes, self.job.gpus_per_node)
+
+    @property
+    def names(self) -> list[str]:
+        """The job's simulated nodes."""
+        return list(dict.fromkeys(self.ranks_nodes))
+
+    @property
+    def fault_rank(self) -> int | None:
+        """The rank the fault hits, if any (``resolve`` gives every fault one)."""
+        return self.job.fault.rank if self.job.fault is not None else None
 
 
 def run_demo(config: DemoConfig, out: TextIO = sys.stdout) -> dict[str, Any]:
@@ -200,9 +212,6 @@ def _prepare(config: DemoConfig, say: _Printer) -> _Plan:
     _claim_out_dir(root)
     (root / "incidents").mkdir()
     job = resolve(scenario, JobDefaults(nodes=config.nodes, gpus_per_node=1, steps=config.steps))
-    per = job.gpus_per_node
-    names = [f"node{i}" for i in range(job.nodes)]
-    ranks_nodes = [names[r // per] for r in range(job.world)]
     if job.spec.guard is None:
         raise ValueError(f"scenario {scenario.name!r} runs no guard")
     # The demo writes the incident itself, annotated with its checkpoint (_recommend), as a job
@@ -217,26 +226,17 @@ def _prepare(config: DemoConfig, say: _Printer) -> _Plan:
         keep_state=True,
         report_every=5,
     )
-    fault = job.fault
-    fault_rank = fault.rank if fault is not None and fault.rank is not None else None
+    plan = _Plan(root=root, job=job, spec=spec, guard=guard)
     say(
         "cluster",
-        f"{job.nodes} nodes x {per} rank(s) ({', '.join(names)}) + {config.spares} spare; "
+        f"{job.nodes} nodes x {job.gpus_per_node} rank(s) ({', '.join(plan.names)}) + {config.spares} spare; "
         f"DDP/gloo, guard {job.mode} mode, replay every {job.verify_every}, weights every {job.weights_every}, "
         f"checkpoint every {config.checkpoint_every}",
     )
-    if fault is not None and fault_rank is not None:
-        say("fault", f"{scenario.title}: rank {fault_rank} on {ranks_nodes[fault_rank]} ({fault.describe()})")
-    return _Plan(
-        root=root,
-        scenario=scenario,
-        job=job,
-        names=names,
-        ranks_nodes=ranks_nodes,
-        spec=spec,
-        guard=guard,
-        fault_rank=fault_rank,
-    )
+    rank = plan.fault_rank
+    if job.fault is not None and rank is not None:
+        say("fault", f"{scenario.title}: rank {rank} on {plan.ranks_nodes[rank]} ({job.fault.describe()})")
+    return plan
 
 
 def _cluster(plan: _Plan, config: DemoConfig) -> tuple[LocalBackend, list[str]]:
@@ -349,7 +349,7 @@ def _resume(
 
 
 def _clean_run(
-    say: _Printer, spec: JobSpec, guard: GuardConfig, job: Any, nodes: list[str]
+    say: _Printer, spec: JobSpec, guard: GuardConfig, job: Job, nodes: list[str]
 ) -> list[JobResult]:
     """The same job without the fault, from scratch, for the bit-for-bit comparison."""
     say("reference", "training a clean run of the same length for the bit-for-bit comparison")
@@ -363,7 +363,7 @@ def _clean_run(
     return run_local(train, nodes, args=(clean_spec,), timeout=900)
 
 
-def _clean_setup(job: Any) -> Any:
+def _clean_setup(job: Job) -> Any:
     """The scenario's setup without the fault (kernel noise, if any, stays: it is not a fault)."""
     import functools
 

@@ -1,8 +1,8 @@
 """The ``kubernetes`` backend with the official client against a local fake API server.
 
 No real Kubernetes API server can run on the machines these tests run on, so the client
-talks plain HTTP to ``replicheck.controller.backends.kube_fake.FakeApiServer`` (threaded,
-127.0.0.1, port 0). The fake records every request; the tests check verbs, paths, content
+talks plain HTTP to the simulated one, ``replicheck.simulation.kubernetes.FakeApiServer``
+(threaded, 127.0.0.1, port 0). The fake records every request; the tests check verbs, paths, content
 types and patch bodies exactly, and make it answer the way the API server does (409 on a
 stale resourceVersion, 404, 403, 5xx). API calls are counted to prove idempotency.
 """
@@ -19,13 +19,13 @@ from ctlkit import Clock, make_incident
 
 from replicheck.controller import Controller, ControllerConfig, State
 from replicheck.controller.backends.base import ResumeRequest
-from replicheck.controller.backends.kube_fake import MERGE_PATCH, FakeApiServer, make_node
 from replicheck.controller.backends.kubernetes import (
     HEALTH_LABEL,
     KubernetesBackend,
     KubernetesConfig,
 )
 from replicheck.controller.errors import ConfigError, NotYet, PermanentBackendError, TransientBackendError
+from replicheck.simulation.kubernetes import MERGE_PATCH, FakeApiServer, make_node
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -617,13 +617,13 @@ def test_cli_reports_a_missing_client_in_one_line(tmp_path: Path) -> None:
 
 
 def test_demo_plays_the_story_against_the_fake_server(tmp_path: Path) -> None:
-    """The documented kube_demo command runs to resumed, replacing n2 exactly once and printing the requests."""
+    """The documented Kubernetes demo command runs to resumed, replacing n2 exactly once and printing the requests."""
     import io
 
-    from replicheck.controller.backends import kube_demo
+    from replicheck.simulation import kubernetes_demo
 
     out = io.StringIO()
-    summary = kube_demo.play(tmp_path / "demo.db", out=out)
+    summary = kubernetes_demo.play(tmp_path / "demo.db", out=out)
     assert summary["state"] == "resumed" and summary["replace_patches"] == 1
     text = out.getvalue()
     assert "triaging -> awaiting_approval" in text and "n2 FAILED self-test" in text
@@ -632,10 +632,10 @@ def test_demo_plays_the_story_against_the_fake_server(tmp_path: Path) -> None:
 
 
 def test_demo_command_exits_zero(capsys: pytest.CaptureFixture[str]) -> None:
-    """``python -m replicheck.controller.backends.kube_demo`` (its main) succeeds and ends with the final state line."""
-    from replicheck.controller.backends import kube_demo
+    """``python -m replicheck.simulation.kubernetes_demo`` (its main) succeeds and ends with the final state line."""
+    from replicheck.simulation import kubernetes_demo
 
-    assert kube_demo.main([]) == 0
+    assert kubernetes_demo.main([]) == 0
     assert "final state: resumed" in capsys.readouterr().out
 
 
@@ -693,10 +693,10 @@ def test_deploy_rbac_covers_every_request_the_demo_makes(tmp_path: Path) -> None
 
     import yaml
 
-    from replicheck.controller.backends import kube_demo
+    from replicheck.simulation import kubernetes_demo
 
     docs = [d for d in yaml.safe_load_all((DEPLOY / "rbac.yaml").read_text()) if d]
-    seen = kube_demo.play(tmp_path / "d.db", out=io.StringIO())["log"]
+    seen = kubernetes_demo.play(tmp_path / "d.db", out=io.StringIO())["log"]
     verbs = {"GET": "get", "PATCH": "patch", "POST": "create", "DELETE": "delete"}
     needed = set()
     for req in seen:
@@ -742,13 +742,13 @@ def test_deploy_config_is_a_valid_controller_config(tmp_path: Path) -> None:
 
 
 def test_new_backends_never_import_torch(server: FakeApiServer) -> None:
-    """Importing both backends and using the kubernetes one in a fresh interpreter leaves torch unimported."""
+    """Importing both backends and the Kubernetes simulation, and using the kubernetes backend, in a fresh interpreter leaves torch unimported."""
     import subprocess
 
     code = (
         "import sys\n"
         "from replicheck.controller.backends.kubernetes import KubernetesBackend, KubernetesConfig\n"
-        "import replicheck.controller.backends.hyperpod, replicheck.controller.backends.kube_demo\n"
+        "import replicheck.controller.backends.hyperpod, replicheck.simulation.kubernetes_demo\n"
         f"KubernetesBackend(KubernetesConfig(host={server.url!r})).list_nodes()\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )

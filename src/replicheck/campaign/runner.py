@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from replicheck.campaign import setups
-from replicheck.campaign.scenarios import JobDefaults, Scenario
+from replicheck.campaign.scenarios import JobDefaults, Scenario, tolerance_overrides
 from replicheck.faults.errors import FaultConfigError
 from replicheck.faults.injector import Corruption, Fault
 from replicheck.faults.noise import KernelNoise
@@ -78,22 +78,16 @@ def resolve(scenario: Scenario, defaults: JobDefaults) -> Job:
     if fault is not None:
         rank = fault.rank if fault.rank is not None else defaults.fault_rank
         fault = replace(fault, rank=rank % (nodes * per), seed=fault.seed or defaults.seed)
-    tolerance = {
-        k: v
-        for k, v in (
-            ("tolerance_floor", scenario.tolerance_floor),
-            ("tolerance_ceiling", scenario.tolerance_ceiling),
-            ("sketch_block", scenario.sketch_block),
-        )
-        if v is not None
-    }
+    tolerance = tolerance_overrides(
+        scenario.tolerance_floor, scenario.tolerance_ceiling, scenario.sketch_block
+    )
     guard = GuardConfig(
         verify_every=ve,
         weights_every=we,
         mode=mode,
         seed=defaults.seed,
         job_id=f"campaign-{scenario.name}",
-        **tolerance,  # type: ignore[arg-type]
+        **tolerance,
     )
     poison = None
     if scenario.poison is not None:

@@ -138,29 +138,52 @@ per-block rounding noise measured in 2,000 replay pairs (docs/results/soak-bf16.
 BF16_CEILING = 0.2
 """Tolerant ceiling for bf16 autocast jobs."""
 
-_FFN = "blocks.0.ffn"
-_WGRAD = "blocks.0.ffn.down.weight"
 
-
-def default_scenarios() -> list[Scenario]:
-    """The matrix ``replicheck campaign`` runs by default."""
-    fwd = Fault.at_forward(_FFN).persistent(from_step=23).bitflip(bit=22)
-    wgrad = Fault.at_weight_gradient(_WGRAD).persistent(from_step=23).zero_chunk()
-    noise = KernelNoise(module="norm", rel=1e-6, seed=1)
-    # Tolerant mode under bf16 autocast with noisy kernels, as the bf16 soak measured it.
-    bf16: dict[str, Any] = dict(
+def bf16_tolerant() -> dict[str, Any]:
+    """Tolerant mode under bf16 autocast with noisy kernels, as the bf16 soak measured it: the
+    fields a :class:`Scenario` and a soak's configuration both take, by the same names."""
+    return dict(
         mode="tolerant",
         loss="lm_bf16",
-        noise=noise,
+        noise=KernelNoise(module="norm", rel=1e-6, seed=1),
         tolerance_floor=BF16_FLOOR,
         tolerance_ceiling=BF16_CEILING,
         sketch_block=BF16_BLOCK,
     )
+
+
+def tolerance_overrides(floor: float | None, ceiling: float | None, block: int | None) -> dict[str, Any]:
+    """The ``GuardConfig`` tolerant-mode fields a run sets; the others keep the guard's defaults."""
+    given = (("tolerance_floor", floor), ("tolerance_ceiling", ceiling), ("sketch_block", block))
+    return {k: v for k, v in given if v is not None}
+
+
+_FFN = "blocks.0.ffn"
+_WGRAD = "blocks.0.ffn.down.weight"
+
+# Faults more than one row injects (a Fault is frozen, so rows can share one).
+_FWD = Fault.at_forward(_FFN).persistent(from_step=23).bitflip(bit=22)
+_ZEROED_WGRAD = Fault.at_weight_gradient(_WGRAD).persistent(from_step=23).zero_chunk()
+_NAN = Fault.at_forward(_FFN).persistent(from_step=23).nan()
+_UPDATE = Fault.at_optimizer_update("blocks.1.attn.qkv.weight").persistent(from_step=23).bitflip(bit=22)
+_REDUCED = Fault.at_reduced_gradient().transient(step=23).bitflip(bit=22)
+_INF_WGRAD = Fault.at_weight_gradient(_WGRAD).persistent(from_step=23).inf()
+
+
+def _fsdp() -> dict[str, Any]:
+    """The FSDP2 rows' layout: 3 nodes × 1 rank, sharded over all three."""
+    return dict(parallel="fsdp", nodes=3, gpus_per_node=1)
+
+
+def default_scenarios() -> list[Scenario]:
+    """The matrix ``replicheck campaign`` runs by default."""
+    noise = KernelNoise(module="norm", rel=1e-6, seed=1)
+    bf16 = bf16_tolerant()
     return [
         Scenario(
             name="aws-persistent-3n",
             title="AWS case: persistent forward fault from step 23, 3 nodes",
-            fault=fwd,
+            fault=_FWD,
             nodes=3,
             gpus_per_node=1,
             reference="AWS: caught at step 30, steps 23-29 applied (verify every 10)",
@@ -168,7 +191,7 @@ def default_scenarios() -> list[Scenario]:
         Scenario(
             name="aws-persistent-4n",
             title="AWS case: persistent forward fault from step 23, 4 nodes",
-            fault=fwd,
+            fault=_FWD,
             nodes=4,
             gpus_per_node=1,
             reference="AWS: caught at step 30, steps 23-29 applied (verify every 10)",
@@ -176,21 +199,21 @@ def default_scenarios() -> list[Scenario]:
         Scenario(
             name="latency-first",
             title="Same fault, latency-first schedule (verify every step)",
-            fault=fwd,
+            fault=_FWD,
             verify_every=1,
             note="nothing corrupted is applied",
         ),
         Scenario(
             name="wgrad-exact",
             title="Backward-only weight-gradient fault (forward untouched), exact mode",
-            fault=wgrad,
+            fault=_ZEROED_WGRAD,
             mode="exact",
             reference="AWS: no alarm in 50 steps with default kernels",
         ),
         Scenario(
             name="wgrad-tolerant",
             title="Backward-only weight-gradient fault, tolerant mode, noisy kernels",
-            fault=wgrad,
+            fault=_ZEROED_WGRAD,
             mode="tolerant",
             noise=noise,
             note="every rank adds ~1e-6 relative noise (own generator) to the final norm",
@@ -199,9 +222,7 @@ def default_scenarios() -> list[Scenario]:
         Scenario(
             name="optimizer-update",
             title="Optimizer update corrupted from step 23",
-            fault=Fault.at_optimizer_update("blocks.1.attn.qkv.weight")
-            .persistent(from_step=23)
-            .bitflip(bit=22),
+            fault=_UPDATE,
         ),
         Scenario(
             name="weights-at-rest",
@@ -212,7 +233,7 @@ def default_scenarios() -> list[Scenario]:
         Scenario(
             name="reduced-gradient",
             title="Reduced gradient corrupted after the all-reduce, one-shot at step 23",
-            fault=Fault.at_reduced_gradient().transient(step=23).bitflip(bit=22),
+            fault=_REDUCED,
             note="per-step check: caught on the step itself",
         ),
         Scenario(
@@ -235,7 +256,7 @@ def default_scenarios() -> list[Scenario]:
         Scenario(
             name="nan",
             title="NaN in a forward activation from step 23",
-            fault=Fault.at_forward(_FFN).persistent(from_step=23).nan(),
+            fault=_NAN,
             note="per-step gradient health check, before the all-reduce",
         ),
         Scenario(
@@ -263,7 +284,7 @@ def default_scenarios() -> list[Scenario]:
         Scenario(
             name="bf16-wgrad-tolerant",
             title="Backward-only weight-gradient fault (32 values zeroed), bf16 tolerant",
-            fault=wgrad,
+            fault=_ZEROED_WGRAD,
             **bf16,
         ),
         Scenario(
@@ -295,7 +316,7 @@ def default_scenarios() -> list[Scenario]:
         Scenario(
             name="reentrant-checkpointing",
             title="Persistent forward fault, blocks under reentrant activation checkpointing",
-            fault=fwd,
+            fault=_FWD,
             checkpointing="reentrant",
         ),
         Scenario(
@@ -333,7 +354,7 @@ def default_scenarios() -> list[Scenario]:
             refusal="static_graph",
             note="refused at construction on every rank, with what to use instead",
         ),
-        *sharded_scenarios(fwd, wgrad),
+        *sharded_scenarios(),
         *fp16_scenarios(),
         Scenario(name="clean", title="Clean run", expect="clean"),
         Scenario(
@@ -346,33 +367,32 @@ def default_scenarios() -> list[Scenario]:
     ]
 
 
-def sharded_scenarios(fwd: Fault, wgrad: Fault) -> list[Scenario]:
+def sharded_scenarios() -> list[Scenario]:
     """Rows on FSDP2 (3 nodes × 1 rank) and HSDP (3 nodes × 2 ranks: a replica group per node)."""
-    fsdp: dict[str, Any] = dict(parallel="fsdp", nodes=3, gpus_per_node=1)
+    fsdp = _fsdp()
     hsdp: dict[str, Any] = dict(parallel="hsdp", nodes=3, gpus_per_node=2)
-    update = Fault.at_optimizer_update("blocks.1.attn.qkv.weight").persistent(from_step=23).bitflip(bit=22)
     return [
         Scenario(
-            name="fsdp-forward", title="FSDP2: persistent forward fault from step 23", fault=fwd, **fsdp
+            name="fsdp-forward", title="FSDP2: persistent forward fault from step 23", fault=_FWD, **fsdp
         ),
         Scenario(
             name="fsdp-wgrad",
             title="FSDP2: backward-only weight-gradient fault, exact mode",
-            fault=wgrad,
+            fault=_ZEROED_WGRAD,
             note="fingerprints of each layer group's local gradient, taken in the reduce-scatter",
             **fsdp,
         ),
         Scenario(
             name="fsdp-nan",
             title="FSDP2: NaN in a forward activation from step 23",
-            fault=Fault.at_forward(_FFN).persistent(from_step=23).nan(),
+            fault=_NAN,
             note="each rank's gradient checked before the reduce-scatter",
             **fsdp,
         ),
         Scenario(
             name="fsdp-optimizer-update",
             title="FSDP2: optimizer update of one shard corrupted from step 23",
-            fault=update,
+            fault=_UPDATE,
             note=(
                 "no other rank holds that shard: the ring verifier replays the update, a third "
                 "rank arbitrates, and the step's update is undone on every rank"
@@ -382,25 +402,25 @@ def sharded_scenarios(fwd: Fault, wgrad: Fault) -> list[Scenario]:
         Scenario(
             name="fsdp-reduced-gradient",
             title="FSDP2: reduced gradient shard corrupted, one-shot at step 23",
-            fault=Fault.at_reduced_gradient().transient(step=23).bitflip(bit=22),
+            fault=_REDUCED,
             note="each reduce-scatter checked against the sum of every rank's input (linear sketches)",
             **fsdp,
         ),
         Scenario(name="fsdp-clean", title="FSDP2: clean run", expect="clean", **fsdp),
         Scenario(
-            name="hsdp-forward", title="HSDP 3×2: persistent forward fault from step 23", fault=fwd, **hsdp
+            name="hsdp-forward", title="HSDP 3×2: persistent forward fault from step 23", fault=_FWD, **hsdp
         ),
         Scenario(
             name="hsdp-optimizer-update",
             title="HSDP 3×2: optimizer update of one shard corrupted from step 23",
-            fault=update,
+            fault=_UPDATE,
             note="shards compared across the 3 replica groups: a majority names the rank",
             **hsdp,
         ),
         Scenario(
             name="hsdp-reduced-gradient",
             title="HSDP 3×2: reduced gradient shard corrupted, one-shot at step 23",
-            fault=Fault.at_reduced_gradient().transient(step=23).bitflip(bit=22),
+            fault=_REDUCED,
             note="per-step check of every reduced shard across replica groups",
             **hsdp,
         ),
@@ -421,19 +441,17 @@ def fp16_scenarios() -> list[Scenario]:
         Scenario(
             name="fp16-scaler-inf",
             title="fp16 + GradScaler: inf in one rank's weight gradient from step 23",
-            fault=Fault.at_weight_gradient(_WGRAD).persistent(from_step=23).inf(),
+            fault=_INF_WGRAD,
             loss="lm_fp16",
             note="an overflow another rank cannot reproduce is corruption, named",
         ),
         Scenario(
             name="fsdp-fp16-scaler-inf",
             title="FSDP2, fp16 + GradScaler: inf in one rank's weight gradient from step 23",
-            fault=Fault.at_weight_gradient(_WGRAD).persistent(from_step=23).inf(),
+            fault=_INF_WGRAD,
             loss="lm_fp16",
-            parallel="fsdp",
-            nodes=3,
-            gpus_per_node=1,
             note="checked in the reduce-scatter, before the inf reaches every rank's shard",
+            **_fsdp(),
         ),
     ]
 

@@ -100,18 +100,13 @@ class SoakResult:
 def bf16_soak(cfg: SoakConfig, *, tiny: bool = False) -> SoakConfig:
     """``cfg`` made the bf16 soak: tolerant mode, bf16 autocast, kernel noise on the final norm
     of every rank, the campaign model (``tiny``: the soak model) and the bf16 tolerance."""
-    from replicheck.campaign.scenarios import BF16_BLOCK, BF16_CEILING, BF16_FLOOR, campaign_model
+    from replicheck.campaign.scenarios import bf16_tolerant, campaign_model
 
     return replace(
         cfg,
-        mode="tolerant",
-        loss="lm_bf16",
-        noise=KernelNoise(module="norm", rel=1e-6, seed=1),
+        **bf16_tolerant(),
         model=soak_model() if tiny else campaign_model(),
         batch=4 if not tiny else cfg.batch,
-        tolerance_floor=BF16_FLOOR,
-        tolerance_ceiling=BF16_CEILING,
-        sketch_block=BF16_BLOCK,
     )
 
 
@@ -141,25 +136,19 @@ def _progress_hook(
 
 def run_soak(cfg: SoakConfig, progress: Callable[[int], None] | None = None) -> SoakResult:
     """Run the soak; ``progress(steps_done)`` is called from a watcher thread now and then."""
+    from replicheck.campaign.scenarios import tolerance_overrides
+
     fd, path = tempfile.mkstemp(prefix="replicheck-soak-")
     os.close(fd)
     every = max(1, min(200, cfg.steps // 100 or 1))
-    tolerance = {
-        k: v
-        for k, v in (
-            ("tolerance_floor", cfg.tolerance_floor),
-            ("tolerance_ceiling", cfg.tolerance_ceiling),
-            ("sketch_block", cfg.sketch_block),
-        )
-        if v is not None
-    }
+    tolerance = tolerance_overrides(cfg.tolerance_floor, cfg.tolerance_ceiling, cfg.sketch_block)
     guard = GuardConfig(
         verify_every=1,
         weights_every=cfg.weights_every,
         mode=cfg.mode,
         seed=cfg.seed,
         job_id="soak",
-        **tolerance,  # type: ignore[arg-type]
+        **tolerance,
     )
     spec = JobSpec(
         steps=cfg.steps,

@@ -21,8 +21,8 @@ from replicheck.checkpoint.errors import (
 )
 from replicheck.checkpoint.manifest import FORMAT, FORMAT_VERSION, Manifest
 from replicheck.checkpoint.policy import POLICIES, Policy, clean_bound
+from replicheck.checkpoint.record import Checkpoint
 from replicheck.checkpoint.store import (
-    Checkpoint,
     CheckpointStore,
     Loaded,
     resume_point,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -13,11 +13,9 @@ from replicheck import fingerprint as fp
 from replicheck.checkpoint import sharded
 from replicheck.checkpoint.errors import CheckpointCorrupt, CheckpointMismatch
 from replicheck.checkpoint.manifest import PAYLOAD_FORMAT, Manifest, digest_hex
+from replicheck.checkpoint.record import Checkpoint
 from replicheck.guard.modules import unwrap
 from replicheck.guard.transport.comm import Comm
-
-if TYPE_CHECKING:
-    from replicheck.checkpoint.store import Checkpoint
 
 
 def restore(

@@ -42,6 +42,7 @@ from replicheck.checkpoint.policy import (
     clean_bound,
     eligible,
 )
+from replicheck.checkpoint.record import Checkpoint
 from replicheck.checkpoint.restore import read_verified, restore
 from replicheck.guard.modules import unwrap
 from replicheck.guard.transport.comm import Comm
@@ -61,27 +62,6 @@ IncidentLike = Incident | Mapping[str, Any] | str | bytes | os.PathLike[str]
 
 def _dir_name(step: int) -> str:
     return f"step-{step:09d}"
-
-
-@dataclass(frozen=True)
-class Checkpoint:
-    """One committed checkpoint on disk."""
-
-    step: int
-    """The step whose update it holds (the state after step ``step``)."""
-    path: Path
-    """Its directory (``<store>/step-000000020``)."""
-    manifest: Manifest
-    """Its manifest as read when it was listed."""
-
-    @property
-    def last_verified_step(self) -> int | None:
-        """The guard's newest passing verification when it was saved."""
-        return self.manifest.last_verified_step
-
-    def ref(self) -> dict[str, Any]:
-        """``{"step": int, "path": str}``, the incident's ``recommended_checkpoint`` value."""
-        return {"step": self.step, "path": str(self.path)}
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,17 @@ EXCERPT_BYTES = 200
 """How much of a rejected input is shown (escaped); the rest stays in the database."""
 
 
+def add_actions(subparsers: Any, name: str, help: str) -> Any:
+    """The ``replicheck NAME ACTION`` command: its parser's subparsers, one per action; an
+    action is required (the chosen one lands in ``args.<name>_command``)."""
+    parser = subparsers.add_parser(name, help=help)
+    return parser.add_subparsers(dest=f"{name}_command", metavar="ACTION", required=True)
+
+
+def add_json_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+
+
 def add_db_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--db",

@@ -9,13 +9,12 @@ EXIT_TAMPERED = 1
 
 
 def register(subparsers: Any) -> None:
-    from replicheck.cli._support import add_db_argument
+    from replicheck.cli._support import add_actions, add_db_argument, add_json_argument
 
-    parser = subparsers.add_parser("audit", help="verify the controller's audit log")
-    sub = parser.add_subparsers(dest="audit_command", metavar="ACTION", required=True)
+    sub = add_actions(subparsers, "audit", help="verify the controller's audit log")
     p = sub.add_parser("verify", help="recompute the audit hash chain; exit 1 if any row was altered")
     add_db_argument(p)
-    p.add_argument("--json", action="store_true", help="machine-readable output")
+    add_json_argument(p)
     p.set_defaults(func=_verify)
 
 

@@ -12,11 +12,10 @@ from replicheck.controller.wiring import BACKENDS
 
 
 def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser("controller", help="run the recovery controller")
-    sub = parser.add_subparsers(dest="controller_command", metavar="ACTION", required=True)
-    run = sub.add_parser("run", help="ingest incidents and drive them through the recovery procedure")
-    from replicheck.cli._support import add_db_argument
+    from replicheck.cli._support import add_actions, add_db_argument
 
+    sub = add_actions(subparsers, "controller", help="run the recovery controller")
+    run = sub.add_parser("run", help="ingest incidents and drive them through the recovery procedure")
     add_db_argument(run)
     run.add_argument("--config", metavar="FILE", help="TOML file with [controller] and [slurm] tables")
     run.add_argument("--backend", choices=BACKENDS, help="cluster backend (default: local)")

@@ -9,17 +9,16 @@ from typing import Any
 
 
 def register(subparsers: Any) -> None:
-    from replicheck.cli._support import add_db_argument
+    from replicheck.cli._support import add_actions, add_db_argument, add_json_argument
 
-    parser = subparsers.add_parser("incidents", help="list, inspect, approve or dismiss incidents")
-    sub = parser.add_subparsers(dest="incidents_command", metavar="ACTION", required=True)
+    sub = add_actions(subparsers, "incidents", help="list, inspect, approve or dismiss incidents")
     p = sub.add_parser("list", help="all incidents and their states")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
+    add_json_argument(p)
     p.add_argument("--rejected", action="store_true", help="list rejected inputs instead")
     p.set_defaults(func=_list)
     p = sub.add_parser("show", help="one incident with its actions and audit log")
     p.add_argument("id")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
+    add_json_argument(p)
     p.set_defaults(func=_show)
     for name, verb in (
         ("approve", "approve the replacement of"),

@@ -127,40 +127,34 @@ def _with_pending_cordons(record: Record, keys: tuple[str, ...]) -> tuple[str, .
 
 
 def _on_approved(record: Record, event: Approved) -> Step:
-    if record.state is not State.AWAITING_APPROVAL:
-        raise InvalidTransitionError(
-            f"incident {record.incident_id} is {record.state.value}; only awaiting_approval can be approved"
-        )
+    allowed = record.state is State.AWAITING_APPROVAL
+    reason = _decided(record, event, "approved", allowed, "only awaiting_approval can be approved")
     return Step(
-        record.evolve(
-            state=State.APPROVED,
-            approved_by=event.by,
-            approved_at=event.at,
-            reason=f"approved by {event.by}{_account(event.os_user)}",
-        )
+        record.evolve(state=State.APPROVED, approved_by=event.by, approved_at=event.at, reason=reason)
     )
 
 
 def _on_dismissed(record: Record, event: Dismissed) -> Step:
-    if record.state not in DISMISSABLE:
-        raise InvalidTransitionError(
-            f"incident {record.incident_id} is {record.state.value}; it can no longer be dismissed"
-        )
-    return Step(
-        record.evolve(
-            state=State.DISMISSED,
-            dismissed_by=event.by,
-            dismissed_at=event.at,
-            outstanding=(),
-            cordoned=_with_pending_cordons(record, record.outstanding),
-            reason=f"dismissed by {event.by}{_account(event.os_user)}",
-        ),
-        cancel=record.outstanding,
+    allowed = record.state in DISMISSABLE
+    reason = _decided(record, event, "dismissed", allowed, "it can no longer be dismissed")
+    dismissed = record.evolve(
+        state=State.DISMISSED,
+        dismissed_by=event.by,
+        dismissed_at=event.at,
+        outstanding=(),
+        cordoned=_with_pending_cordons(record, record.outstanding),
+        reason=reason,
     )
+    return Step(dismissed, cancel=record.outstanding)
 
 
-def _account(os_user: str) -> str:
-    return f" (os user {os_user})" if os_user else ""
+def _decided(record: Record, event: Approved | Dismissed, verb: str, allowed: bool, refusal: str) -> str:
+    """A person's decision: refused in a state that does not allow it (``refusal`` says why),
+    else the reason it records, naming who decided and the OS account that ran the command."""
+    if not allowed:
+        raise InvalidTransitionError(f"incident {record.incident_id} is {record.state.value}; {refusal}")
+    account = f" (os user {event.os_user})" if event.os_user else ""
+    return f"{verb} by {event.by}{account}"
 
 
 def _on_tick(record: Record, tick: Tick) -> Step:

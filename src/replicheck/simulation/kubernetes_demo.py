@@ -1,7 +1,7 @@
-"""Play the recovery story with the ``kubernetes`` backend against the local fake API server
-and print every request the controller sends::
+"""Play the recovery story with the ``kubernetes`` backend against the simulated API server
+(``replicheck.simulation.kubernetes``) and print every request the controller sends::
 
-    python -m replicheck.controller.backends.kube_demo [--db PATH] [--bodies]
+    python -m replicheck.simulation.kubernetes_demo [--db PATH] [--bodies]
 
 An ambiguous incident names two nodes (ranks on n2 and n3 disagree): both are cordoned, the
 pinned self-test finds n2 bad and n3 good (n3 is uncordoned), a person approves, n2 gets
@@ -20,12 +20,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from replicheck.controller.backends.kube_fake import FakeApiServer, Request, make_node
 from replicheck.controller.backends.kubernetes import KubernetesBackend, KubernetesConfig
 from replicheck.controller.config import ControllerConfig
 from replicheck.controller.controller import Controller
 from replicheck.controller.model import State, Transition
 from replicheck.incident import Incident, NodeIdentity, Suspect, make_incident_id
+from replicheck.simulation.kubernetes import FakeApiServer, Request, make_node
 
 TRAINING_JOB: dict[str, Any] = {
     "apiVersion": "batch/v1",
@@ -156,7 +156,7 @@ def _describe(req: Request, show_bodies: bool) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m replicheck.controller.backends.kube_demo",
+        prog="python -m replicheck.simulation.kubernetes_demo",
         description="the recovery story against a local fake Kubernetes API server",
     )
     parser.add_argument("--db", help="controller database (default: a temporary file)")

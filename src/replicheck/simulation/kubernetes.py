@@ -1,11 +1,12 @@
-"""A tiny in-memory stand-in for the Kubernetes API server, for the demo and the tests.
+"""A simulated Kubernetes API server for the demo and the tests; not a controller backend.
 
-No real API server can run where replicheck is developed and tested, so this serves the few
-endpoints the ``kubernetes`` backend uses, answering the way the API server does: JSON merge
-patches with a ``metadata.resourceVersion`` precondition (409 Conflict when stale), 404 for
-unknown objects, ``Status`` bodies on errors, Jobs that run a pod whose log a test chooses.
-Every request is recorded (verb, path, query, content type, parsed body) so callers can check
-exactly what a client sent. It binds 127.0.0.1 on a free port and speaks plain HTTP.
+The product's ``kubernetes`` backend (``replicheck.controller.backends.kubernetes``) talks to
+a real API server. None can run where replicheck is developed and tested, so this in-memory
+stand-in serves the few endpoints that backend uses, answering the way the API server does:
+JSON merge patches with a ``metadata.resourceVersion`` precondition (409 Conflict when stale),
+404 for unknown objects, ``Status`` bodies on errors, Jobs that run a pod whose log a test
+chooses. Every request is recorded (verb, path, query, content type, parsed body) so callers
+can check exactly what a client sent. It binds 127.0.0.1 on a free port and speaks plain HTTP.
 """
 
 from __future__ import annotations
