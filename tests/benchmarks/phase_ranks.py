@@ -11,7 +11,6 @@ from torch.nn.parallel import DistributedDataParallel
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 from benchkit.phases import GUARD_PHASES, PhaseTimer  # noqa: E402
-
 from replicheck.guard import Guard, GuardConfig  # noqa: E402
 from replicheck.harness.launch import RankContext  # noqa: E402
 from replicheck.harness.workloads import DecoderConfig, lm_loss, make_model, synthetic_batch  # noqa: E402
