@@ -47,6 +47,11 @@ def campaign_model() -> DecoderConfig:
     return DecoderConfig(vocab=128, d_model=32, n_layers=2, n_heads=4, seq_len=16)
 
 
+def soak_model() -> DecoderConfig:
+    """The soak's tiny decoder (d_model 16, 1 block, 8 tokens); also the campaign's ``--tiny``."""
+    return DecoderConfig(vocab=64, d_model=16, n_layers=1, n_heads=2, seq_len=8)
+
+
 @dataclass(frozen=True, kw_only=True)
 class JobDefaults:
     """The job every scenario runs unless it says otherwise."""
