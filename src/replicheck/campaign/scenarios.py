@@ -47,6 +47,11 @@ def campaign_model() -> DecoderConfig:
     return DecoderConfig(vocab=128, d_model=32, n_layers=2, n_heads=4, seq_len=16)
 
 
+def soak_model() -> DecoderConfig:
+    """The soak's tiny decoder (d_model 16, 1 block, 8 tokens); also the campaign's ``--tiny``."""
+    return DecoderConfig(vocab=64, d_model=16, n_layers=1, n_heads=2, seq_len=8)
+
+
 @dataclass(frozen=True, kw_only=True)
 class JobDefaults:
     """The job every scenario runs unless it says otherwise."""
@@ -180,21 +185,16 @@ def default_scenarios() -> list[Scenario]:
     noise = KernelNoise(module="norm", rel=1e-6, seed=1)
     bf16 = bf16_tolerant()
     return [
-        Scenario(
-            name="aws-persistent-3n",
-            title="AWS case: persistent forward fault from step 23, 3 nodes",
-            fault=_FWD,
-            nodes=3,
-            gpus_per_node=1,
-            reference="AWS: caught at step 30, steps 23-29 applied (verify every 10)",
-        ),
-        Scenario(
-            name="aws-persistent-4n",
-            title="AWS case: persistent forward fault from step 23, 4 nodes",
-            fault=_FWD,
-            nodes=4,
-            gpus_per_node=1,
-            reference="AWS: caught at step 30, steps 23-29 applied (verify every 10)",
+        *(
+            Scenario(
+                name=f"aws-persistent-{n}n",
+                title=f"AWS case: persistent forward fault from step 23, {n} nodes",
+                fault=_FWD,
+                nodes=n,
+                gpus_per_node=1,
+                reference="AWS: caught at step 30, steps 23-29 applied (verify every 10)",
+            )
+            for n in (3, 4)
         ),
         Scenario(
             name="latency-first",
@@ -367,64 +367,60 @@ def default_scenarios() -> list[Scenario]:
     ]
 
 
+# The sharded rows' faults by kind, each titled once: FSDP2 and HSDP run the same kinds under
+# the same titles, so the two layouts' rows compare line for line.
+_SHARDED: dict[str, tuple[str, Fault | None]] = {
+    "forward": ("persistent forward fault from step 23", _FWD),
+    "wgrad": ("backward-only weight-gradient fault, exact mode", _ZEROED_WGRAD),
+    "nan": ("NaN in a forward activation from step 23", _NAN),
+    "optimizer-update": ("optimizer update of one shard corrupted from step 23", _UPDATE),
+    "reduced-gradient": ("reduced gradient shard corrupted, one-shot at step 23", _REDUCED),
+    "clean": ("clean run", None),
+}
+
+
+def _sharded(prefix: str, label: str, notes: dict[str, str], layout: dict[str, Any]) -> list[Scenario]:
+    """One row per kind in ``notes`` (kind: the row's note) on one sharded layout, named
+    ``<prefix>-<kind>`` and titled ``<label>: <the kind's title>``."""
+    rows = []
+    for kind, note in notes.items():
+        title, fault = _SHARDED[kind]
+        expect: Expect = "detect" if fault is not None else "clean"
+        rows.append(
+            Scenario(
+                name=f"{prefix}-{kind}",
+                title=f"{label}: {title}",
+                fault=fault,
+                expect=expect,
+                note=note,
+                **layout,
+            )
+        )
+    return rows
+
+
 def sharded_scenarios() -> list[Scenario]:
     """Rows on FSDP2 (3 nodes × 1 rank) and HSDP (3 nodes × 2 ranks: a replica group per node)."""
-    fsdp = _fsdp()
-    hsdp: dict[str, Any] = dict(parallel="hsdp", nodes=3, gpus_per_node=2)
+    fsdp = {
+        "forward": "",
+        "wgrad": "fingerprints of each layer group's local gradient, taken in the reduce-scatter",
+        "nan": "each rank's gradient checked before the reduce-scatter",
+        "optimizer-update": (
+            "no other rank holds that shard: the ring verifier replays the update, a third "
+            "rank arbitrates, and the step's update is undone on every rank"
+        ),
+        "reduced-gradient": "each reduce-scatter checked against the sum of every rank's input (linear sketches)",
+        "clean": "",
+    }
+    hsdp = {
+        "forward": "",
+        "optimizer-update": "shards compared across the 3 replica groups: a majority names the rank",
+        "reduced-gradient": "per-step check of every reduced shard across replica groups",
+        "clean": "",
+    }
     return [
-        Scenario(
-            name="fsdp-forward", title="FSDP2: persistent forward fault from step 23", fault=_FWD, **fsdp
-        ),
-        Scenario(
-            name="fsdp-wgrad",
-            title="FSDP2: backward-only weight-gradient fault, exact mode",
-            fault=_ZEROED_WGRAD,
-            note="fingerprints of each layer group's local gradient, taken in the reduce-scatter",
-            **fsdp,
-        ),
-        Scenario(
-            name="fsdp-nan",
-            title="FSDP2: NaN in a forward activation from step 23",
-            fault=_NAN,
-            note="each rank's gradient checked before the reduce-scatter",
-            **fsdp,
-        ),
-        Scenario(
-            name="fsdp-optimizer-update",
-            title="FSDP2: optimizer update of one shard corrupted from step 23",
-            fault=_UPDATE,
-            note=(
-                "no other rank holds that shard: the ring verifier replays the update, a third "
-                "rank arbitrates, and the step's update is undone on every rank"
-            ),
-            **fsdp,
-        ),
-        Scenario(
-            name="fsdp-reduced-gradient",
-            title="FSDP2: reduced gradient shard corrupted, one-shot at step 23",
-            fault=_REDUCED,
-            note="each reduce-scatter checked against the sum of every rank's input (linear sketches)",
-            **fsdp,
-        ),
-        Scenario(name="fsdp-clean", title="FSDP2: clean run", expect="clean", **fsdp),
-        Scenario(
-            name="hsdp-forward", title="HSDP 3×2: persistent forward fault from step 23", fault=_FWD, **hsdp
-        ),
-        Scenario(
-            name="hsdp-optimizer-update",
-            title="HSDP 3×2: optimizer update of one shard corrupted from step 23",
-            fault=_UPDATE,
-            note="shards compared across the 3 replica groups: a majority names the rank",
-            **hsdp,
-        ),
-        Scenario(
-            name="hsdp-reduced-gradient",
-            title="HSDP 3×2: reduced gradient shard corrupted, one-shot at step 23",
-            fault=_REDUCED,
-            note="per-step check of every reduced shard across replica groups",
-            **hsdp,
-        ),
-        Scenario(name="hsdp-clean", title="HSDP 3×2: clean run", expect="clean", **hsdp),
+        *_sharded("fsdp", "FSDP2", fsdp, _fsdp()),
+        *_sharded("hsdp", "HSDP 3×2", hsdp, dict(parallel="hsdp", nodes=3, gpus_per_node=2)),
     ]
 
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from replicheck.campaign.scenarios import bf16_tolerant, campaign_model, soak_model, tolerance_overrides
 from replicheck.faults.noise import KernelNoise
 from replicheck.guard import GuardConfig, current_pass, current_step
 from replicheck.guard.config import Mode
@@ -27,11 +28,6 @@ from replicheck.guard.modules import unwrap
 from replicheck.harness.jobs import JobLoss, JobSpec, train
 from replicheck.harness.launch import RankContext, node_names, run_local
 from replicheck.harness.workloads import DecoderConfig
-
-
-def soak_model() -> DecoderConfig:
-    """The soak's tiny decoder (d_model 16, 1 block, 8 tokens)."""
-    return DecoderConfig(vocab=64, d_model=16, n_layers=1, n_heads=2, seq_len=8)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -100,8 +96,6 @@ class SoakResult:
 def bf16_soak(cfg: SoakConfig, *, tiny: bool = False) -> SoakConfig:
     """``cfg`` made the bf16 soak: tolerant mode, bf16 autocast, kernel noise on the final norm
     of every rank, the campaign model (``tiny``: the soak model) and the bf16 tolerance."""
-    from replicheck.campaign.scenarios import bf16_tolerant, campaign_model
-
     return replace(
         cfg,
         **bf16_tolerant(),
@@ -136,8 +130,6 @@ def _progress_hook(
 
 def run_soak(cfg: SoakConfig, progress: Callable[[int], None] | None = None) -> SoakResult:
     """Run the soak; ``progress(steps_done)`` is called from a watcher thread now and then."""
-    from replicheck.campaign.scenarios import tolerance_overrides
-
     fd, path = tempfile.mkstemp(prefix="replicheck-soak-")
     os.close(fd)
     every = max(1, min(200, cfg.steps // 100 or 1))

@@ -26,14 +26,19 @@ def add_actions(subparsers: Any, name: str, help: str) -> Any:
     return parser.add_subparsers(dest=f"{name}_command", metavar="ACTION", required=True)
 
 
-def add_json_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--json", action="store_true", help="machine-readable output")
+# ``default`` of the shared options below: a subcommand that repeats its parent's option passes
+# ``argparse.SUPPRESS``, so its own default does not overwrite a value given before it
+# (``nodes --db X list``).
 
 
-def add_db_argument(parser: argparse.ArgumentParser) -> None:
+def add_json_argument(parser: argparse.ArgumentParser, default: Any = False) -> None:
+    parser.add_argument("--json", action="store_true", default=default, help="machine-readable output")
+
+
+def add_db_argument(parser: argparse.ArgumentParser, default: Any = None) -> None:
     parser.add_argument(
         "--db",
-        default=None,
+        default=default,
         metavar="PATH",
         help=f"controller database (default: $REPLICHECK_DB or ./{DEFAULT_DB})",
     )
@@ -41,6 +46,17 @@ def add_db_argument(parser: argparse.ArgumentParser) -> None:
 
 def db_path(args: argparse.Namespace) -> str:
     return str(args.db or os.environ.get("REPLICHECK_DB") or DEFAULT_DB)
+
+
+def add_slurm_conf_argument(parser: argparse.ArgumentParser, default: Any = None) -> None:
+    parser.add_argument(
+        "--slurm-conf", default=default, metavar="PATH", help="slurm.conf (default: $SLURM_CONF)"
+    )
+
+
+def slurm_conf(args: argparse.Namespace) -> str | None:
+    """The slurm.conf the Slurm client commands are given: ``--slurm-conf``, else $SLURM_CONF."""
+    return args.slurm_conf or os.environ.get("SLURM_CONF")
 
 
 def existing_db_path(args: argparse.Namespace) -> str:

@@ -112,8 +112,7 @@ def run(args: argparse.Namespace) -> int:
         return _soak(args, out)
     from replicheck.campaign import plots, report
     from replicheck.campaign.runner import run_campaign
-    from replicheck.campaign.scenarios import JobDefaults, default_scenarios, select
-    from replicheck.campaign.soak import soak_model
+    from replicheck.campaign.scenarios import JobDefaults, default_scenarios, select, soak_model
     from replicheck.faults.errors import FaultConfigError
 
     try:

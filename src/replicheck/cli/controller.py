@@ -12,7 +12,7 @@ from replicheck.controller.wiring import BACKENDS
 
 
 def register(subparsers: Any) -> None:
-    from replicheck.cli._support import add_actions, add_db_argument
+    from replicheck.cli._support import add_actions, add_db_argument, add_slurm_conf_argument
 
     sub = add_actions(subparsers, "controller", help="run the recovery controller")
     run = sub.add_parser("run", help="ingest incidents and drive them through the recovery procedure")
@@ -41,7 +41,7 @@ def register(subparsers: Any) -> None:
     run.add_argument("--once", action="store_true", help="one reconcile pass, then exit")
     run.add_argument("--passes", type=int, default=None, help="stop after this many passes")
     run.add_argument("--interval", type=float, default=None, metavar="S", help="seconds between passes")
-    run.add_argument("--slurm-conf", default=None, metavar="PATH", help="slurm.conf (default: $SLURM_CONF)")
+    add_slurm_conf_argument(run)
     run.add_argument(
         "--http",
         default=None,
@@ -93,7 +93,7 @@ def _add_http_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from replicheck.cli._support import db_path, esc, ingest_files
+    from replicheck.cli._support import db_path, esc, ingest_files, slurm_conf
     from replicheck.controller import Controller
     from replicheck.controller.wiring import (
         load_settings,
@@ -107,7 +107,7 @@ def _run(args: argparse.Namespace) -> int:
         apply=args.apply,
         auto_approve=args.auto_approve,
         poll_interval_s=args.interval,
-        slurm_overrides={"slurm_conf": args.slurm_conf or os.environ.get("SLURM_CONF")},
+        slurm_overrides={"slurm_conf": slurm_conf(args)},
     )
     config = settings.controller
     from replicheck.controller.errors import ConfigError

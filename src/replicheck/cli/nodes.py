@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import sys
 from typing import Any
 
@@ -15,26 +14,18 @@ from replicheck.controller.wiring import BACKENDS
 def _list_options(parser: argparse.ArgumentParser, *, leaf: bool) -> None:
     """The listing options, on ``nodes`` itself and on ``nodes list``. On the leaf their default
     is SUPPRESS, so ``nodes --db X list`` keeps X (a subparser's defaults would overwrite it)."""
-    keep = {"default": argparse.SUPPRESS} if leaf else {"default": None}
-    parser.add_argument(
-        "--db",
-        metavar="PATH",
-        help="controller database (default: $REPLICHECK_DB or ./replicheck-controller.db)",
-        **keep,
-    )
+    from replicheck.cli._support import add_db_argument, add_json_argument, add_slurm_conf_argument
+
+    keep = argparse.SUPPRESS if leaf else None
+    add_db_argument(parser, default=keep)
     parser.add_argument(
         "--backend",
         choices=BACKENDS,
+        default=keep,
         help="backend (default: the one `controller run` last used with this database)",
-        **keep,
     )
-    parser.add_argument("--slurm-conf", metavar="PATH", help="slurm.conf (default: $SLURM_CONF)", **keep)
-    parser.add_argument(
-        "--json",
-        action="store_true",
-        help="machine-readable output",
-        **({"default": argparse.SUPPRESS} if leaf else {"default": False}),
-    )
+    add_slurm_conf_argument(parser, default=keep)
+    add_json_argument(parser, default=argparse.SUPPRESS if leaf else False)
 
 
 def register(subparsers: Any) -> None:
@@ -96,7 +87,7 @@ def _add(args: argparse.Namespace) -> int:
 
 def _nodes(args: argparse.Namespace) -> int:
     from replicheck.cli._render import NODE_HEADER, node_line
-    from replicheck.cli._support import existing_db_path, print_json
+    from replicheck.cli._support import existing_db_path, print_json, slurm_conf
     from replicheck.controller.store import Store
     from replicheck.controller.wiring import make_backend, settings_from_json
 
@@ -107,7 +98,7 @@ def _nodes(args: argparse.Namespace) -> int:
     finally:
         store.close()
     slurm = dict(settings.slurm)
-    conf = args.slurm_conf or os.environ.get("SLURM_CONF")
+    conf = slurm_conf(args)
     if conf:
         slurm["slurm_conf"] = conf
     # Keep the other backends' tables ([kubernetes], [hyperpod]) that `controller run` stored.

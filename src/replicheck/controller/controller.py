@@ -16,25 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from replicheck.controller import ingest as _ingest
+from replicheck.controller import model
 from replicheck.controller.backends.base import Backend, NodeInfo
 from replicheck.controller.config import ControllerConfig
 from replicheck.controller.errors import ConfigError, DecisionConflictError
 from replicheck.controller.executor import Deferred, Executor, Skipped
 from replicheck.controller.lease import Lease
 from replicheck.controller.machine import initial_record, transition
-from replicheck.controller.model import (
-    TERMINAL,
-    ActionDone,
-    ActionKind,
-    Approved,
-    Dismissed,
-    Event,
-    Record,
-    State,
-    Tick,
-    Transition,
-    action_key,
-)
 from replicheck.controller.store import ActionRow, AuditRow, IncidentRow, Store
 from replicheck.incident import Incident, IncidentFormatError, validate_incident
 from replicheck.timefmt import utc_iso_us
@@ -69,7 +57,7 @@ class IncidentView:
     """Everything known about one incident, for ``incidents show``."""
 
     incident: IncidentRow
-    record: Record
+    record: model.Record
     actions: list[ActionRow]
     audit: list[AuditRow]
 
@@ -84,7 +72,7 @@ class Controller:
         backend: Backend | None = None,
         config: ControllerConfig | None = None,
         *,
-        on_transition: Callable[[Transition], None] | None = None,
+        on_transition: Callable[[model.Transition], None] | None = None,
         clock: Callable[[], _dt.datetime] | None = None,
     ) -> None:
         self.db_path = Path(db_path)
@@ -136,7 +124,7 @@ class Controller:
                 log.info("ingested incident %s (job %s) from %s", incident.id, incident.job_id, source)
             elif merge == "filled":
                 record = self.store.get_record(incident.id)
-                resuming = action_key(record.incident_id, ActionKind.RESUME, record.job_id)
+                resuming = model.action_key(record.incident_id, model.ActionKind.RESUME, record.job_id)
                 if record.resume is None and resuming not in record.outstanding:
                     checkpoint = dict(incident.recommended_checkpoint or {})
                     self.store.save_record(record.evolve(checkpoint=checkpoint), now)
@@ -210,7 +198,7 @@ class Controller:
 
     # --- reconciling ------------------------------------------------------------------------
 
-    def reconcile(self) -> list[Transition]:
+    def reconcile(self) -> list[model.Transition]:
         """One pass: read watched directories, advance every open incident as far as it goes
         without waiting, perform due actions. Returns the state changes made.
 
@@ -219,11 +207,11 @@ class Controller:
         self.lease.acquire()
         for directory in self.config.incident_dirs:
             self.ingest_dir(directory)
-        made: list[Transition] = []
+        made: list[model.Transition] = []
         for _ in range(MAX_ROUNDS):
             progressed = False
             for record in self.store.list_records():
-                if record.state in TERMINAL:
+                if record.state in model.TERMINAL:
                     continue
                 before = record
                 after = self._apply(record.incident_id, self._tick(), self.config.actor, made)
@@ -245,10 +233,10 @@ class Controller:
                 return
             stop.wait(self.config.poll_interval_s)
 
-    def _tick(self) -> Tick:
+    def _tick(self) -> model.Tick:
         now = self._clock()
         since = now - _dt.timedelta(seconds=self.config.replacement_window_s)
-        return Tick(
+        return model.Tick(
             now=utc_iso_us(now),
             auto_approve=self.config.auto_approve,
             triage=self.config.triage,
@@ -261,7 +249,7 @@ class Controller:
             return_deadline=utc_iso_us(now + _dt.timedelta(seconds=self.config.return_timeout_s)),
         )
 
-    def _execute(self, row: ActionRow, made: list[Transition]) -> bool:
+    def _execute(self, row: ActionRow, made: list[model.Transition]) -> bool:
         outcome = Executor(self.store, self.backend, self.config, self._clock).perform(row)
         now = self._now()
         if isinstance(outcome, Skipped):
@@ -279,7 +267,7 @@ class Controller:
                     )
             return False
         with self.store.transaction():
-            if isinstance(outcome, ActionDone):
+            if isinstance(outcome, model.ActionDone):
                 self.store.finish_action(row.key, outcome.outcome, now)
                 detail = str(outcome.outcome.get("skipped") or outcome.outcome.get("detail") or "done")
             else:
@@ -288,11 +276,13 @@ class Controller:
             self.store.audit(
                 now, self.config.actor, f"{row.kind.value} {row.node or ''}".strip(), detail, row.incident_id
             )
-            if self.store.get_record(row.incident_id).state not in TERMINAL:
+            if self.store.get_record(row.incident_id).state not in model.TERMINAL:
                 self._apply(row.incident_id, outcome, self.config.actor, made)
         return True
 
-    def _apply(self, incident_id: str, event: Event, actor: str, made: list[Transition]) -> Record:
+    def _apply(
+        self, incident_id: str, event: model.Event, actor: str, made: list[model.Transition]
+    ) -> model.Record:
         now = self._now()
         with self.store.transaction():
             record = self.store.get_record(incident_id)
@@ -302,7 +292,7 @@ class Controller:
             self.store.save_record(step.record, now)
             self.store.add_actions(step.actions, now)
             self.store.cancel_actions(step.cancel, now)
-            t = Transition(incident_id, record.state, step.record.state, step.record.reason, now)
+            t = model.Transition(incident_id, record.state, step.record.state, step.record.reason, now)
             changed = t.from_state is not t.to_state
             if changed:
                 self.store.audit(
@@ -327,14 +317,18 @@ class Controller:
 
     # --- operator commands ------------------------------------------------------------------
 
-    def approve(self, incident_id: str, by: str) -> Record:
+    def approve(self, incident_id: str, by: str) -> model.Record:
         """Record a person's approval of the replacement: the name given, the operating-system
         account that ran this process, and when."""
-        return self._operator(incident_id, Approved(by=self._who(by), at=self._now(), os_user=os_account()))
+        return self._operator(
+            incident_id, model.Approved(by=self._who(by), at=self._now(), os_user=os_account())
+        )
 
-    def dismiss(self, incident_id: str, by: str) -> Record:
+    def dismiss(self, incident_id: str, by: str) -> model.Record:
         """Record that a person judged the incident a false alarm; the cordon is undone."""
-        return self._operator(incident_id, Dismissed(by=self._who(by), at=self._now(), os_user=os_account()))
+        return self._operator(
+            incident_id, model.Dismissed(by=self._who(by), at=self._now(), os_user=os_account())
+        )
 
     def decide(
         self,
@@ -342,9 +336,9 @@ class Controller:
         decision: str,
         by: str,
         *,
-        expect_state: State | None = None,
+        expect_state: model.State | None = None,
         via: str | None = None,
-    ) -> Record:
+    ) -> model.Record:
         """Approve or dismiss at most once: the check and the decision are one write transaction,
         so of two decisions racing on one incident exactly one is recorded.
 
@@ -373,15 +367,15 @@ class Controller:
             now = self._now()
             if via:
                 self.store.audit(now, who, f"{decision} requested", via, incident_id)
-            event: Approved | Dismissed = (
-                Approved(by=who, at=now, os_user=os_user)
+            event: model.Approved | model.Dismissed = (
+                model.Approved(by=who, at=now, os_user=os_user)
                 if decision == "approve"
-                else Dismissed(by=who, at=now, os_user=os_user)
+                else model.Dismissed(by=who, at=now, os_user=os_user)
             )
             return self._operator(incident_id, event)
 
-    def _operator(self, incident_id: str, event: Approved | Dismissed) -> Record:
-        made: list[Transition] = []
+    def _operator(self, incident_id: str, event: model.Approved | model.Dismissed) -> model.Record:
+        made: list[model.Transition] = []
         return self._apply(incident_id, event, event.by, made)
 
     def _who(self, by: str) -> str:
@@ -396,7 +390,7 @@ class Controller:
 
     # --- queries ----------------------------------------------------------------------------
 
-    def records(self, states: Sequence[State] | None = None) -> list[Record]:
+    def records(self, states: Sequence[model.State] | None = None) -> list[model.Record]:
         return self.store.list_records(states)
 
     def show(self, incident_id: str) -> IncidentView:
@@ -429,7 +423,7 @@ def os_account() -> str:
     return f"{name} uid {uid}"
 
 
-def _decided(record: Record) -> str:
+def _decided(record: model.Record) -> str:
     if record.dismissed_by:
         return f"dismissed by {record.dismissed_by} at {record.dismissed_at}"
     if record.approved_by:

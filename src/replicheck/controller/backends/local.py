@@ -35,17 +35,16 @@ CREATE TABLE IF NOT EXISTS sim_resumes (
 """
 
 
-@dataclass(frozen=True)
-class ResumeRecord:
-    """A resume request the local backend received (what a demo restarts training from)."""
+@dataclass(frozen=True, kw_only=True)
+class ResumeRecord(ResumeRequest):
+    """A resume request the local backend received (what a demo restarts training from), with
+    where and when it resumed. ``previous_attempt_at`` is not kept: the backend's keyed log, not
+    the caller, tells it whether a call was already made."""
 
-    incident_id: str
-    job_id: str
-    checkpoint: Mapping[str, Any] | None
-    exclude: tuple[str, ...]
     nodes: tuple[str, ...]
     """Active, schedulable nodes of the simulated cluster after the replacement."""
     at: str
+    """When the request was received (ISO time)."""
 
 
 class LocalBackend:
@@ -89,7 +88,12 @@ class LocalBackend:
         )
         return [
             ResumeRecord(
-                i, j, None if c is None else json.loads(c), tuple(json.loads(e)), tuple(json.loads(n)), at
+                incident_id=i,
+                job_id=j,
+                checkpoint=None if c is None else json.loads(c),
+                exclude=tuple(json.loads(e)),
+                nodes=tuple(json.loads(n)),
+                at=at,
             )
             for i, j, c, e, n, at in rows
         ]
