@@ -97,3 +97,41 @@ def test_no_import_cycle_in_the_package() -> None:
     graph = {name: _imports(name, path, known) for name, path in modules.items()}
     assert len(graph) > 100, "the scan must see the whole package"
     assert _cycles(graph) == []
+
+
+SPECIFIC = {
+    "DistributedDataParallel",
+    "FSDPModule",
+    "DTensor",
+    "GradTap",
+    "GradHealth",
+    "ShardLayout",
+    "LockstepReplays",
+    "AloneReplays",
+    "DataParallel",
+    "Sharded",
+    "SingleProcess",
+    "no_sync",
+    "set_requires_gradient_sync",
+    "register_comm_hook",
+}
+
+
+def test_the_step_core_names_no_specific_parallelism() -> None:
+    """No code of ``guard/step`` (comments and docstrings aside) names a parallelism, its wrapper
+    types or their hooks: the step asks the seam (``guard.parallel.base.Parallelism``)."""
+    found = []
+    for path in sorted((ROOT / "guard" / "step").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            name = (
+                node.id
+                if isinstance(node, ast.Name)
+                else node.attr
+                if isinstance(node, ast.Attribute)
+                else None
+            )
+            if name in SPECIFIC:
+                found.append(f"{path.name}:{node.lineno} {name}")
+            if isinstance(node, ast.alias) and node.name.split(".")[-1] in SPECIFIC:
+                found.append(f"{path.name}:{node.lineno} import {node.name}")
+    assert found == []

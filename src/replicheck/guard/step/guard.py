@@ -242,7 +242,7 @@ class Guard:
         verify = s % cfg.verify_every == 0
         check_replicas = self._par.replicated and cfg.weights_every > 0 and s % cfg.weights_every == 0
         if self._needs_rebuild:
-            self._rebuild_buckets(microbatches[0])
+            self._settle_after_resume(microbatches[0])
         self._recompute.begin_step(microbatches[0], cfg.probe_size)
         self._optimizer.zero_grad(set_to_none=True)
         self._health.reset()
@@ -297,8 +297,9 @@ class Guard:
             raise CorruptionDetected(incident, write_error=str(exc)) from exc
         raise CorruptionDetected(incident)
 
-    def _rebuild_buckets(self, batch: Any) -> None:
-        """One synced backward, gradients discarded, so DDP settles its bucket layout."""
+    def _settle_after_resume(self, batch: Any) -> None:
+        """One synced backward, gradients discarded, before the first resumed step: the parallelism
+        settles what the first backward decides (DDP: its bucket layout, so the reduction order)."""
         self._needs_rebuild = False
         with (
             forked_rng(p.device for p in self._params),
