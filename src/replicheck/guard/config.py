@@ -12,6 +12,8 @@ Mode = Literal["exact", "tolerant"]
 """How probe results are compared: bit for bit, or within a calibrated threshold."""
 ProbeMode = Literal["auto", "split", "extra"]
 """Whether a probe is part of the real batch (``split``) or computed in addition (``extra``)."""
+ProbeAttention = Literal["math", "default"]
+"""Which scaled-dot-product attention backends a deterministic probe pass may use."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,6 +56,13 @@ class GuardConfig:
     """Base of the (step, rank) seeds used for probe passes and sketch projections."""
     deterministic: bool | None = None
     """Deterministic kernels for probe and replay passes; ``None``: on in exact mode only."""
+    probe_attention: ProbeAttention = "math"
+    """Scaled-dot-product attention in deterministic probe passes. ``math``: pinned to the math
+    backend (bitwise reproducible everywhere, but it materialises the attention matrix: memory
+    grows with the square of the sequence length); the default until a GPU run shows the flash and
+    memory-efficient backward bitwise reproducible. ``default``: torch chooses the backend as in
+    training, with deterministic algorithms on (flash / memory-efficient attention on a GPU).
+    Training passes are never affected."""
     grad_norm_bound: float | None = 1e9
     """Alarm when one rank's local gradient norm (per DDP bucket) exceeds this; ``None``: off.
     Non-finite gradients always alarm."""
@@ -103,6 +112,10 @@ class GuardConfig:
             raise GuardConfigError(f"mode must be 'exact' or 'tolerant', got {self.mode!r}")
         if self.probe not in ("auto", "split", "extra"):
             raise GuardConfigError(f"probe must be 'auto', 'split' or 'extra', got {self.probe!r}")
+        if self.probe_attention not in ("math", "default"):
+            raise GuardConfigError(
+                f"probe_attention must be 'math' or 'default', got {self.probe_attention!r}"
+            )
         if self.loss_reduction not in ("unknown", "sample_mean", "sum"):
             raise GuardConfigError(
                 f"loss_reduction must be 'unknown', 'sample_mean' or 'sum', got {self.loss_reduction!r}"

@@ -15,8 +15,10 @@ import re
 from collections.abc import Iterator, MutableMapping
 
 import torch
+import torch.utils.deterministic
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from replicheck.guard.config import ProbeAttention
 from replicheck.guard.errors import DeterminismError, GuardConfigError
 
 log = logging.getLogger(__name__)
@@ -34,13 +36,17 @@ _ADVICE = (
 
 
 @contextlib.contextmanager
-def deterministic(enabled: bool) -> Iterator[None]:
+def deterministic(enabled: bool, attention: ProbeAttention = "math") -> Iterator[None]:
     """Strictly deterministic kernels for one pass; every setting is restored afterwards.
 
-    Turns on ``torch.use_deterministic_algorithms(True)`` (errors, not warnings), pins
-    scaled-dot-product attention to the math backend, and makes cuDNN deterministic without
-    autotuning. An operation without a deterministic kernel raises :class:`DeterminismError`
-    naming it.
+    Turns on ``torch.use_deterministic_algorithms(True)`` (errors, not warnings) and makes cuDNN
+    deterministic without autotuning. ``attention="math"`` also pins scaled-dot-product
+    attention to the math backend; ``"default"`` leaves the backend to torch (its flash and
+    memory-efficient backward are deterministic under these settings, to be confirmed on a GPU:
+    ``GuardConfig.probe_attention``). Uninitialised memory is not filled with NaN (torch does so
+    under deterministic algorithms; a correct kernel never reads it, and the fill costs a full write
+    per allocation). An operation without a deterministic kernel raises
+    :class:`DeterminismError` naming it.
     """
     if not enabled:
         yield
@@ -48,9 +54,12 @@ def deterministic(enabled: bool) -> Iterator[None]:
     prev = torch.are_deterministic_algorithms_enabled()
     prev_warn = torch.is_deterministic_algorithms_warn_only_enabled()
     prev_cudnn = (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
-    with sdpa_kernel(SDPBackend.MATH):
+    prev_fill = torch.utils.deterministic.fill_uninitialized_memory  # type: ignore[attr-defined]
+    pin = sdpa_kernel(SDPBackend.MATH) if attention == "math" else contextlib.nullcontext()
+    with pin:
         torch.use_deterministic_algorithms(True)
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+        torch.utils.deterministic.fill_uninitialized_memory = False  # type: ignore[attr-defined]
         try:
             yield
         except RuntimeError as exc:
@@ -61,6 +70,7 @@ def deterministic(enabled: bool) -> Iterator[None]:
         finally:
             torch.use_deterministic_algorithms(prev, warn_only=prev_warn)
             torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = prev_cudnn
+            torch.utils.deterministic.fill_uninitialized_memory = prev_fill  # type: ignore[attr-defined]
 
 
 def determinism_error(exc: BaseException) -> DeterminismError | None:

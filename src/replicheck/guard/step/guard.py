@@ -111,7 +111,9 @@ class Guard:
         self._fail = StepFailure(optimizer, par)
         self._health = par.install(cfg, self._fail.flags.any_failed)
         fingerprinter = Fingerprinter(cfg.mode, cfg.sketch_k, cfg.sketch_block)
-        self._recompute = Recompute(par, loss_fn, self._params, fingerprinter, cfg.use_deterministic)
+        self._recompute = Recompute(
+            par, loss_fn, self._params, fingerprinter, cfg.use_deterministic, cfg.probe_attention
+        )
         self._judge = StepJudge(
             cfg,
             self.comm,

@@ -211,7 +211,7 @@ class StepPasses:
                 self._par.accumulate(sync=False),
                 running(s, "probe"),
                 seeded(seed, self._params[0].device),
-                deterministic(cfg.use_deterministic),
+                deterministic(cfg.use_deterministic, cfg.probe_attention),
             ):
                 got = self._fail.forward(lambda: self._loss_fn(self._model, probe_batch), "probe")
                 if got is not None:

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 import torch
 
 from replicheck import fingerprint as fp
-from replicheck.guard.config import Mode
+from replicheck.guard.config import Mode, ProbeAttention
 from replicheck.guard.context import PassName, running
 from replicheck.guard.loss import LossFn
 from replicheck.guard.parallel.base import Capture, DiscardedPass, Parallelism
@@ -111,6 +111,7 @@ class Recompute:
         params: Sequence[torch.nn.Parameter],
         fingerprinter: Fingerprinter,
         deterministic_kernels: bool,
+        attention: ProbeAttention = "math",
     ) -> None:
         self._module = parallelism.module
         self._loss_fn = loss_fn
@@ -119,6 +120,8 @@ class Recompute:
         self._devices = tuple(dict.fromkeys(p.device for p in params))
         self._fingerprinter = fingerprinter
         self._deterministic = deterministic_kernels
+        self._attention: ProbeAttention = attention
+        """Attention backends of deterministic passes (``GuardConfig.probe_attention``)."""
         self._replays = parallelism.replays(params)
 
     def begin_step(self, batch: Any, probe_size: int) -> None:
@@ -140,7 +143,7 @@ class Recompute:
             with (
                 running(step, pass_, discarded=True),
                 seeded(seed, self._device),
-                deterministic(self._deterministic),
+                deterministic(self._deterministic, self._attention),
                 buffers_restored(self._module),
             ):
                 yield
@@ -178,7 +181,7 @@ class Recompute:
         @contextlib.contextmanager
         def contexts() -> Iterator[None]:
             ctx = seeded(p.seed, self._device) if p.seed is not None else contextlib.nullcontext()
-            with ctx, deterministic(p.seed is not None and self._deterministic):
+            with ctx, deterministic(p.seed is not None and self._deterministic, self._attention):
                 yield
 
         return contexts
