@@ -62,10 +62,14 @@ class LossContractError(BatchError, GuardMisuseError):
 class PeerFailed(GuardError):
     """Another rank failed inside the same step (its error is raised there); this rank stops too."""
 
-    def __init__(self, step: int, ranks: tuple[int, ...]) -> None:
+    def __init__(self, step: int, ranks: tuple[int, ...], *, incident: Incident | None = None) -> None:
         self.step = step
         self.ranks = ranks
+        self.incident = incident
+        """The incident the step was resolving when a rank's re-run failed (recorded as far as it
+        was resolved), or ``None``."""
         super().__init__(
             f"step {step} stopped: rank(s) {', '.join(map(str, ranks))} raised an error inside the step "
             "(see that rank's traceback); no rank applied the update"
+            + (f"; incident {incident.id} recorded as far as it was resolved" if incident is not None else "")
         )

@@ -44,7 +44,13 @@ def node_names(nodes: int, per_node: int) -> list[str]:
 
 
 def _child(
-    fn: Callable[..., Any], ctx: RankContext, port: int, args: tuple[Any, ...], out: Any, threads: int
+    fn: Callable[..., Any],
+    ctx: RankContext,
+    port: int,
+    args: tuple[Any, ...],
+    out: Any,
+    threads: int,
+    group_timeout: float = 120.0,
 ) -> None:
     import torch
     import torch.distributed as dist
@@ -55,7 +61,11 @@ def _child(
             "127.0.0.1", port, ctx.world_size, is_master=False, timeout=timedelta(seconds=60)
         )
         dist.init_process_group(
-            "gloo", store=store, rank=ctx.rank, world_size=ctx.world_size, timeout=timedelta(seconds=120)
+            "gloo",
+            store=store,
+            rank=ctx.rank,
+            world_size=ctx.world_size,
+            timeout=timedelta(seconds=group_timeout),
         )
         try:
             result = fn(ctx, *args)
@@ -77,10 +87,12 @@ def run_local(
     args: tuple[Any, ...] = (),
     timeout: float = 300.0,
     threads_per_rank: int = 1,
+    group_timeout: float = 120.0,
 ) -> list[Any]:
     """Run ``fn(ctx, *args)`` on ``len(nodes)`` ranks; return their results in rank order.
 
     ``fn`` must be importable by name (a module-level function): children are spawned.
+    ``group_timeout`` is the process group's timeout in seconds (how long a collective waits).
     """
     import torch.distributed as dist
 
@@ -93,7 +105,9 @@ def run_local(
     procs = []
     for rank in range(world):
         ctx = RankContext(rank=rank, world_size=world, node=nodes[rank], nodes=tuple(nodes))
-        p = mpctx.Process(target=_child, args=(fn, ctx, store.port, args, out, threads_per_rank), daemon=True)
+        p = mpctx.Process(
+            target=_child, args=(fn, ctx, store.port, args, out, threads_per_rank, group_timeout), daemon=True
+        )
         p.start()
         procs.append(p)
     results: dict[int, Any] = {}

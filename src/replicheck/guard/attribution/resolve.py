@@ -6,7 +6,7 @@ all-gather), so every rank takes part in the same exchanges and reaches the same
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
@@ -35,6 +35,71 @@ class Together(Protocol):
 def alone(passes: int, run: Callable[[], T], step: int) -> T:
     """:class:`Together` for a model whose re-runs need no other rank (DDP, one process)."""
     return run()
+
+
+class RerunFailed(Exception):
+    """A re-run of the failure path (arbitration, a suspect's or a peer's re-run) raised on some
+    rank. Every rank raises it after the same gather, with the finding as far as it was resolved;
+    the guard records that incident, then re-raises ``error`` on the failing rank and
+    :class:`PeerFailed` on the others."""
+
+    def __init__(
+        self, step: int, ranks: tuple[int, ...], error: BaseException | None, finding: Finding
+    ) -> None:
+        self.step = step
+        self.ranks = ranks
+        """Ranks whose re-run raised."""
+        self.error = None if isinstance(error, PeerFailed) else error
+        """This rank's own error (``None`` on the other ranks, also where a lockstep pass raised
+        :class:`PeerFailed` for another rank's error)."""
+        self.findings: list[Finding] = [finding]
+        """The step's findings so far, the unresolved one last."""
+        super().__init__(f"step {step}: a re-run failed on rank(s) {', '.join(map(str, ranks))}")
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """How one rank's protected re-runs went: its own error, or a peer's error it learnt of."""
+
+    error: Exception | None = None
+    """The exception the re-runs raised on this rank (a :class:`PeerFailed` when a lockstep pass
+    learnt of another rank's error)."""
+
+    @property
+    def report(self) -> str | None:
+        """What the other ranks learn in the next gather: this rank's own error, or ``None``."""
+        if self.error is None or isinstance(self.error, PeerFailed):
+            return None
+        first = (str(self.error).splitlines() or [""])[0][:300]
+        return f"{type(self.error).__name__}: {first}"
+
+
+def attempt(together: Together, passes: int, run: Callable[[], T], step: int) -> tuple[T | None, Attempt]:
+    """``together(passes, run, step)`` with its error kept, not raised: it travels in the gather
+    that follows, so every rank learns of it at the same point (no rank is left in a collective)."""
+    try:
+        return together(passes, run, step), Attempt()
+    except Exception as exc:  # noqa: BLE001 - reported in the next gather, then raised on every rank
+        return None, Attempt(exc)
+
+
+def failed_ranks(reports: Sequence[str | None], peer_errors: Sequence[bool]) -> dict[int, str]:
+    """Ranks whose re-run raised, with what they reported. A lockstep pass raises PeerFailed on
+    the ranks that did not fail themselves; if only such reports came, those ranks are named."""
+    own = {r: text for r, text in enumerate(reports) if text is not None}
+    if own:
+        return own
+    return {r: "PeerFailed" for r, peer in enumerate(peer_errors) if peer}
+
+
+def failure_evidence(phase: str, failed: Mapping[int, str]) -> Evidence:
+    """The evidence of a re-run that raised: where, on which ranks, what they raised."""
+    return {
+        "phase": phase,
+        "ranks": sorted(failed),
+        "errors": {str(r): text for r, text in sorted(failed.items())},
+        "note": "a re-run raised before the fault was resolved: the finding holds what was known then",
+    }
 
 
 @dataclass(frozen=True)
@@ -143,19 +208,37 @@ def resolve_replay(
     criterion: Criterion,
     together: Together = alone,
 ) -> Finding:
-    """Name the rank behind failing pairs, arbitrating lone pairs, then classify the fault."""
+    """Name the rank behind failing pairs, arbitrating lone pairs, then classify the fault.
+
+    A re-run that raises on any rank ends the resolution on every rank after the same gather:
+    :class:`RerunFailed` carries the finding as far as it got (an arbitration that did not finish
+    leaves its pair unresolved; a suspect whose re-run did not finish is ``ambiguous``).
+    """
     failing = [(p.source, p.verifier) for p in pairs if not p.agree]
     attribution = attribute_pairs(failing)
     suspects = list(attribution.suspects)
     tasks, unresolved = _arbiters(ring, attribution.unexplained)
-    arbitrations = _arbitrate(comm, tasks, view, replay, criterion, together) if tasks else []
+    arbitrations: list[_Arbitration] = []
+    reruns: list[_Rerun] = []
+    failure: tuple[str, dict[int, str], Exception | None] | None = None
+    if tasks:
+        arbitrations, failed, error = _arbitrate(comm, tasks, view, replay, criterion, together)
+        if failed:
+            failure = ("arbitration", failed, error)
+            done = {(a.source, a.verifier) for a in arbitrations}
+            unresolved += [(src, ver) for src, ver, _ in tasks if (src, ver) not in done]
     for a in sorted(arbitrations, key=lambda a: (a.source, a.verifier)):
         odd = a.odd_one_out
         if odd is None:
             unresolved.append((a.source, a.verifier))
         elif odd not in suspects:
             suspects.append(odd)
-    reruns = _classify(comm, suspects, {src for src, _ in failing}, view, replay, criterion, together)
+    if failure is None:
+        reruns, failed, error = _classify(
+            comm, suspects, {src for src, _ in failing}, view, replay, criterion, together
+        )
+        if failed:
+            failure = ("rerun", failed, error)
 
     candidates = sorted({r for pair in unresolved for r in pair})
     evidence: Evidence = {
@@ -164,19 +247,25 @@ def resolve_replay(
         "reruns": [r.to_evidence() for r in reruns],
         "threshold": criterion.threshold if criterion.mode == "tolerant" else None,
     }
+    if failure is not None:
+        evidence["rerun_failed"] = failure_evidence(failure[0], failure[1])
     if not suspects:
-        return Finding(check="replay", candidates=tuple(candidates), evidence=evidence)
-    by_rank = {r.rank: r.classification for r in reruns}
-    suspects.sort()
-    if unresolved:
-        evidence["unresolved_pairs"] = [list(p) for p in unresolved]
-    return Finding(
-        check="replay",
-        suspects=tuple(suspects),
-        candidates=tuple(candidates),
-        classification=by_rank.get(suspects[0], "ambiguous"),
-        evidence=evidence,
-    )
+        finding = Finding(check="replay", candidates=tuple(candidates), evidence=evidence)
+    else:
+        by_rank = {r.rank: r.classification for r in reruns}
+        suspects.sort()
+        if unresolved:
+            evidence["unresolved_pairs"] = [list(p) for p in unresolved]
+        finding = Finding(
+            check="replay",
+            suspects=tuple(suspects),
+            candidates=tuple(candidates),
+            classification=by_rank.get(suspects[0], "ambiguous"),
+            evidence=evidence,
+        )
+    if failure is not None:
+        raise RerunFailed(view.own.step, tuple(sorted(failure[1])), failure[2], finding)
+    return finding
 
 
 def _arbiters(
@@ -203,21 +292,24 @@ def _arbitrate(
     replay: Replayer,
     criterion: Criterion,
     together: Together,
-) -> list[_Arbitration]:
-    """Each verifier forwards the disputed payload and its own replay to the pair's arbiter."""
+) -> tuple[list[_Arbitration], dict[int, str], Exception | None]:
+    """Each verifier forwards the disputed payload and its own replay to the pair's arbiter.
+
+    Returns the arbitrations every rank finished, the ranks whose part raised (with what they
+    reported) and this rank's own error."""
     rank = comm.rank
     request = ArbitrationRequest(payload=view.received, verifier_result=view.replayed)
     sends = [(arb, request.encode()) for _, ver, arb in tasks if ver == rank]
     inbox = comm.exchange(sends, [ver for _, ver, arb in tasks if arb == rank])
     mine: list[_Arbitration] = []
-    error: Exception | None = None
     jobs: list[tuple[int, int, int, ArbitrationRequest]] = []
+    decoding: Exception | None = None
     try:
         jobs = [
             (src, ver, arb, ArbitrationRequest.decode(inbox[ver])) for src, ver, arb in tasks if arb == rank
         ]
-    except Exception as exc:  # noqa: BLE001 - re-raised below, after every rank has gathered
-        error = exc
+    except Exception as exc:  # noqa: BLE001 - reported in the gather below, like a replay's error
+        decoding = exc
 
     def run() -> None:
         for src, ver, arb, msg in jobs:
@@ -232,13 +324,15 @@ def _arbitrate(
                 )
             )
 
-    try:
-        together(len(jobs), run, view.own.step)
-    except Exception as exc:  # noqa: BLE001 - re-raised below, after every rank has gathered
-        error = error or exc
-    reports = comm.gather_objects((error is None, mine))
-    _stop_on_failure(view.own.step, [ok for ok, _ in reports], error)
-    return [a for _, done in reports for a in done]
+    # A message that did not decode runs no pass (lockstep: the others pad with fillers).
+    _, tried = attempt(together, len(jobs), run, view.own.step)
+    if decoding is not None:
+        tried = Attempt(decoding)
+    reports = comm.gather_objects(
+        (tried.report, tried.error is not None, mine if tried.error is None else [])
+    )
+    failed = failed_ranks([r for r, _, _ in reports], [p for _, p, _ in reports])
+    return [a for _, _, done in reports for a in done], failed, tried.error
 
 
 def _classify(
@@ -249,10 +343,10 @@ def _classify(
     replay: Replayer,
     criterion: Criterion,
     together: Together,
-) -> list[_Rerun]:
-    """Each suspect recomputes what it is blamed for and compares with its first answer."""
+) -> tuple[list[_Rerun], dict[int, str], Exception | None]:
+    """Each suspect recomputes what it is blamed for and compares with its first answer
+    (the re-runs every rank finished, the ranks whose re-run raised, this rank's own error)."""
     mine: list[_Rerun] = []
-    error: Exception | None = None
 
     def run() -> None:
         if comm.rank in sources:
@@ -261,25 +355,13 @@ def _classify(
             again, first, what = replay(view.received), view.replayed, "replay of its source's probe"
         mine.append(_Rerun(rank=comm.rank, rerun=what, same_answer=criterion.agree(first, again)))
 
-    try:
-        together(1 if comm.rank in suspects else 0, run if comm.rank in suspects else _nothing, view.own.step)
-    except Exception as exc:  # noqa: BLE001 - re-raised below, after every rank has gathered
-        error = exc
-    reports = comm.gather_objects((error is None, mine[0] if mine else None))
-    _stop_on_failure(view.own.step, [ok for ok, _ in reports], error)
-    return [r for _, r in reports if r is not None]
+    suspect = comm.rank in suspects
+    _, tried = attempt(together, 1 if suspect else 0, run if suspect else _nothing, view.own.step)
+    done = mine[0] if mine and tried.error is None else None
+    reports = comm.gather_objects((tried.report, tried.error is not None, done))
+    failed = failed_ranks([r for r, _, _ in reports], [p for _, p, _ in reports])
+    return [r for _, _, r in reports if r is not None], failed, tried.error
 
 
 def _nothing() -> None:
     return None
-
-
-def _stop_on_failure(step: int, ok: Sequence[bool], error: Exception | None) -> None:
-    """After a gather: a rank whose re-run failed raises its error, every other rank PeerFailed,
-    so no rank is left waiting in a later collective of the failure path."""
-    failed = tuple(r for r, fine in enumerate(ok) if not fine)
-    if not failed:
-        return
-    if error is not None:
-        raise error
-    raise PeerFailed(step, failed)

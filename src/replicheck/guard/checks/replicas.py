@@ -7,7 +7,14 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from replicheck.guard.attribution.resolve import Together, alone
+from replicheck.guard.attribution.resolve import (
+    RerunFailed,
+    Together,
+    alone,
+    attempt,
+    failed_ranks,
+    failure_evidence,
+)
 from replicheck.guard.attribution.verdict import Evidence, Finding, vote
 from replicheck.guard.transport.comm import Comm
 from replicheck.guard.transport.records import GradientWork
@@ -169,19 +176,27 @@ def gradient_finding(
         elsewhere = {b: rerun_elsewhere(w) for b, w in received.items()} if rerun_elsewhere else {}
         return elsewhere, rerun_norm() if me in bad else None
 
-    elsewhere, again = together(passes, run, step)
-    reports = comm.gather_objects((again, elsewhere))
-    peer_norms = {b: n for _, got in reports for b, n in got.items()}
+    # An error here (out of memory: a re-run holds another gradient set) travels in the gather.
+    out, tried = attempt(together, passes, run, step)
+    elsewhere, again = out if out is not None else ({}, None)
+    reports = comm.gather_objects((tried.report, tried.error is not None, again, elsewhere))
+    peer_norms = {b: n for *_, got in reports for b, n in got.items()}
     reruns = [
         _GradientRerun(
             rank=b,
-            rerun_norm=_or_nan(reports[b][0]),
+            rerun_norm=_or_nan(reports[b][2]),
             peer=peers.get(b),
             peer_norm=peer_norms.get(b),
         )
         for b in bad
     ]
     evidence["reruns"] = [r.to_evidence(bound) for r in reruns]
+    failed = failed_ranks([r[0] for r in reports], [r[1] for r in reports])
+    if failed:
+        # Without every re-run nothing separates data from a device: no rank is blamed.
+        evidence["rerun_failed"] = failure_evidence("gradient re-run", failed)
+        finding = Finding(check="gradients", candidates=tuple(bad), evidence=evidence)
+        raise RerunFailed(step, tuple(sorted(failed)), tried.error, finding)
     device = [r for r in reruns if r.classification(bound) != "data"]
     if not device:
         evidence["note"] = (

@@ -48,6 +48,11 @@ class LockstepReplays(Replays):
         self._comm, self._tap, self._forwards = comm, tap, forwards
         self._model, self._params = model, list(params)
         self._filler: Any = None
+        self._passes = 0
+        """Passes this rank has taken part in (each shares a flag after its forward)."""
+        self._shared: BaseException | None = None
+        """The last error raised where every rank raised (at a pass's flag) or where no rank can
+        go on (inside a backward's collectives): :meth:`together` lets it through as it is."""
 
     def begin_step(self, batch: Any, probe_size: int) -> None:
         """The samples a rank with nothing to replay runs instead (the front of its step's batch)."""
@@ -87,21 +92,43 @@ class LockstepReplays(Replays):
             if self._forwards.count == entered:
                 collectives_of_forward(self._model)
         failed = self._comm.host_flags(error is not None)
+        self._passes += 1
         if any(failed):
-            if error is not None:
-                raise error
-            raise PeerFailed(current_step(), tuple(r for r, f in enumerate(failed) if f))
+            shared = (
+                error
+                if error is not None
+                else PeerFailed(current_step(), tuple(r for r, f in enumerate(failed) if f))
+            )
+            self._shared = shared
+            raise shared
         if loss is None:
             raise RuntimeError("internal: a pass without a loss")
-        with grads_put_back(self._params), self._tap.capturing(capture) as parts:
-            (loss * weight).backward()  # type: ignore[no-untyped-call]
+        try:
+            with grads_put_back(self._params), self._tap.capturing(capture) as parts:
+                (loss * weight).backward()  # type: ignore[no-untyped-call]
+        except Exception as exc:
+            # Part-way through the backward's collectives: padding with filler passes would pair
+            # this rank's collectives with the wrong ones of its peers.
+            self._shared = exc
+            raise
         return loss, list(parts)
 
     def together(self, passes: int, run: Callable[[], T], filler: Callable[[Any], object]) -> T:
         """``run()`` (``passes`` passes on this rank), then filler passes up to the most any rank
         runs, so every rank leaves the phase after the same collectives."""
         most = self._comm.max_int(passes)
-        out = run()
+        start = self._passes
+        try:
+            out = run()
+        except Exception as exc:
+            if exc is self._shared:
+                raise
+            # Raised between passes (a comparison, a copy to the host): the other ranks still
+            # expect this rank's part in the phase's remaining passes; the error then travels in
+            # the caller's next gather.
+            for _ in range(most - (self._passes - start)):
+                filler(self._filler)
+            raise
         for _ in range(most - passes):
             filler(self._filler)
         return out

@@ -15,14 +15,14 @@ from typing import Any, NoReturn
 
 import torch
 
-from replicheck.guard.attribution.resolve import Replayer
+from replicheck.guard.attribution.resolve import Replayer, RerunFailed
 from replicheck.guard.attribution.ring import Ring
 from replicheck.guard.attribution.verdict import Finding
 from replicheck.guard.checks import replicas, scaling
 from replicheck.guard.checks.health import ReducedHook
 from replicheck.guard.config import GuardConfig
 from replicheck.guard.context import running
-from replicheck.guard.errors import BatchError, CorruptionDetected, GuardConfigError
+from replicheck.guard.errors import BatchError, CorruptionDetected, GuardConfigError, PeerFailed
 from replicheck.guard.loss import LossFn, unpack
 from replicheck.guard.modules import unwrap
 from replicheck.guard.parallel.base import Parallelism, detect
@@ -41,7 +41,7 @@ from replicheck.guard.step.verify import RowBuilder
 from replicheck.guard.transport.batch import batch_size
 from replicheck.guard.transport.comm import Comm
 from replicheck.guard.transport.records import StepRow
-from replicheck.incident import NodeIdentity
+from replicheck.incident import Incident, NodeIdentity
 
 log = logging.getLogger(__name__)
 
@@ -260,9 +260,16 @@ class Guard:
         # The step's one device→host transfer: every rank's row, after the all-gather.
         rows = StepRow.decode(self.comm.gather_rows(row.encode(self._device)))
         self._fail.stop(s, [r.failed for r in rows])
-        findings = self._judge.evaluate(
-            s, rows, check_replicas=check_replicas, view=view, passes=done.passes, replayer=self._replayer
-        )
+        failed: RerunFailed | None = None
+        findings: list[Finding] = []
+        try:
+            findings = self._judge.evaluate(
+                s, rows, check_replicas=check_replicas, view=view, passes=done.passes, replayer=self._replayer
+            )
+        except RerunFailed as exc:
+            failed = exc  # raised below, outside the handler (not chained to RerunFailed)
+        if failed is not None:
+            self._stop_unresolved(s, failed)
         result = StepResult(
             loss=float(rows[self.rank].loss), step=s, verified=verify, replicas_checked=check_replicas
         )
@@ -285,6 +292,12 @@ class Guard:
         return lambda payload: self._recompute.payload(payload, s)
 
     def _raise(self, s: int, findings: list[Finding]) -> NoReturn:
+        incident, write_error = self._record(s, findings)
+        raise CorruptionDetected(incident, write_error=write_error)
+
+    def _record(self, s: int, findings: list[Finding]) -> tuple[Incident, str | None]:
+        """Collective: the incident of step ``s`` (every rank holds it), written by one rank;
+        with why it could not be written, when it could not."""
         self._optimizer.zero_grad(set_to_none=True)
         names = self._par.fingerprint_names()
         if names is not None:
@@ -296,8 +309,25 @@ class Guard:
             self._reporter.write(incident)
         except OSError as exc:
             # The step is stopped on every rank whether or not the record reached the disk.
-            raise CorruptionDetected(incident, write_error=str(exc)) from exc
-        raise CorruptionDetected(incident)
+            log.error("incident %s not written: %s", incident.id, exc)
+            return incident, str(exc)
+        return incident, None
+
+    def _stop_unresolved(self, s: int, failed: RerunFailed) -> NoReturn:
+        """A re-run of the failure path raised on some rank (every rank is here, after the same
+        gather): record the incident as far as it was resolved, then raise the failing rank's
+        own error there and PeerFailed, holding the incident, on the others."""
+        incident, write_error = self._record(s, failed.findings)
+        where = "recorded" if write_error is None else f"NOT written ({write_error})"
+        log.error(
+            "step %d: a re-run failed on rank(s) %s; incident %s %s", s, failed.ranks, incident.id, where
+        )
+        if failed.error is not None:
+            failed.error.add_note(
+                f"replicheck: step {s} stopped on every rank; incident {incident.id} {where}"
+            )
+            raise failed.error
+        raise PeerFailed(s, failed.ranks, incident=incident)
 
     def _settle_after_resume(self, batch: Any) -> None:
         """One synced backward, gradients discarded, before the first resumed step: the parallelism

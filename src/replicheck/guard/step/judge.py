@@ -11,7 +11,14 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from replicheck.guard.attribution.resolve import Criterion, LocalView, PairOutcome, Replayer, resolve_replay
+from replicheck.guard.attribution.resolve import (
+    Criterion,
+    LocalView,
+    PairOutcome,
+    Replayer,
+    RerunFailed,
+    resolve_replay,
+)
 from replicheck.guard.attribution.ring import Ring
 from replicheck.guard.attribution.verdict import Finding, calibration_noise, tolerance
 from replicheck.guard.checks import replicas
@@ -67,9 +74,29 @@ class StepJudge:
         passes: Sequence[BackwardPass],
         replayer: Callable[[int], Replayer],
     ) -> list[Finding]:
-        """Every finding of step ``s``: gradient health, reduced gradients, replicas, replay."""
-        bound = self._config.grad_norm_bound
+        """Every finding of step ``s``: gradient health, reduced gradients, replicas, replay.
+
+        A re-run that raised on some rank raises :class:`RerunFailed` on every rank, holding
+        the findings made before it and the one it left unresolved."""
         findings: list[Finding] = []
+        try:
+            self._evaluate(s, rows, findings, check_replicas, view, passes, replayer)
+        except RerunFailed as exc:
+            exc.findings[:0] = findings
+            raise
+        return findings
+
+    def _evaluate(
+        self,
+        s: int,
+        rows: Sequence[HostRow],
+        findings: list[Finding],
+        check_replicas: bool,
+        view: LocalView | None,
+        passes: Sequence[BackwardPass],
+        replayer: Callable[[int], Replayer],
+    ) -> None:
+        bound = self._config.grad_norm_bound
         norms = [r.local_norm for r in rows]
         bad = [r for r, n in enumerate(norms) if not replicas.healthy(n, bound)]
         if bad:
@@ -104,7 +131,6 @@ class StepJudge:
             f = self._replay_finding(rows, view, replayer(s))
             if f is not None:
                 findings.append(f)
-        return findings
 
     def _threshold(self, rows: Sequence[HostRow]) -> float:
         """Tolerant mode: the threshold, after folding this step's noise into the calibration."""
