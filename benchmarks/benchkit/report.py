@@ -6,59 +6,105 @@ import json
 from pathlib import Path
 from typing import Any
 
-FORMAT = "replicheck.gpu_check/1"
+from benchkit.judge import gib
 
-PARTS = ("guard_multiprocess", "nccl_smoke", "fingerprint_throughput", "step_ratio")
+FORMAT = "replicheck.gpu_check/2"
+
+PARTS = (
+    "exchange_exact",
+    "exchange_tolerant",
+    "replicated_nan",
+    "fsdp_cpu_offload",
+    "reproducibility",
+    "probe_pass_memory",
+    "gradient_fingerprints",
+    "overhead",
+    "environment",
+)
+
+CAUGHT = {
+    "exchange_exact": "1: received fingerprints on the device, the local replay's on the host — the first compare raises",
+    "exchange_tolerant": "1: the same in tolerant mode (sketch distance across devices)",
+    "replicated_nan": "5: a NaN gradient applied with no incident under replicate() / (N, 1) HSDP / one-GPU FSDP2",
+    "fsdp_cpu_offload": "8: the guard's device becomes the host, the probe batch goes there while logits are on the GPU",
+    "reproducibility": "4, 10: whether flash / memory-efficient backward may replace the math pin; aligned views vs clones",
+    "probe_pass_memory": "4: no probe_attention option — the probe's attention matrix at 8K tokens, with no alternative",
+    "gradient_fingerprints": "3: the update replay's host bytes, copies and extra memory (figures, not a pass/fail)",
+    "overhead": "figures users see; a false alarm in exact or tolerant bf16 fails it",
+    "environment": "context for every figure (not judged)",
+}
+"""What each part would have caught on d3f1fc3 (the issue's findings), shown in gpu.md."""
 
 FORMAT_DOC = """\
 ## Output format
 
 `benchmarks/gpu_check.py` writes `gpu.json` and this file (`gpu.md`, generated from the JSON) into
-`--out` (default `docs/results`). The JSON object:
+`--out` (default `docs/results`). Every part runs in its own process (part b: one per case; part
+c: two), at world size 1 (NCCL bound to `cuda:0`; gloo with `--tiny`), with its own time box cut
+to what is left of the overall budget (`--budget-s`, default 300 s on a GPU: the whole check fits
+in 5 minutes on one H200, leaving room to run it again within 15 minutes of device time). Parts
+run most valuable first; a part that no longer fits is `skipped`. The JSON object:
 
-- `format`: `"replicheck.gpu_check/1"`; `mode`: `"gpu"` or `"tiny"` (CPU, `--tiny`); `ok`: every
-  part ran and passed its checks; `seconds`: wall time of the whole run; `started`: UTC time;
-  `environment`: torch and CUDA versions, device name, `CUBLAS_WORKSPACE_CONFIG`.
-- `parts`: one object per part, each with `ok`, `seconds`, `error` (the traceback, or `null`),
-  `checks` (name → `{"ok", "detail"}`) and `result` (the part's figures):
-  - `guard_multiprocess`: 3 processes sharing the one device, gloo, the small Llama-style decoder
-    (SDPA attention, dropout on the embeddings), exact mode, verify and weights every 4 steps, 10
-    steps. Checks `clean_exact_verifications_pass`, `forward_fault_caught` and
-    `backward_fault_caught` (a persistent fault on rank 1 from step 5, caught at step 8 by the
-    replay with suspect rank 1 and its node), `resume_bit_identical` (a fresh model, optimizer and
-    guard in the same processes, restored from the checkpoint store's save after step 4, with the
-    CPU and device RNG states saved in the checkpoint's `extra`: the same losses and final weights
-    as the uninterrupted run). The four runs share one launch of the 3 processes.
-  - `nccl_smoke`: the same guarded loop at world size 1 over NCCL (gloo with `--tiny`), 6 steps,
-    verify every 3. Checks `guarded_loop_runs`, `backend`.
-  - `fingerprint_throughput`: a float32 tensor (4 GiB; 8 MiB with `--tiny`): milliseconds and
-    GB/s of `copy_`, `clone`, `fingerprint.digest`, `digest(fold_zero=True)` and
-    `fingerprint.sketch(k=4)` (median of 10, CUDA events); `copy_bandwidth_GBps` counts the bytes
-    read and written by `copy_`; each fingerprint's `fraction_of_copy_bandwidth` is its tensor
-    GB/s over that (goal ≥ 0.5: reading the tensor once at the speed a copy moves memory is 1.0;
-    `null` for the copies themselves); `digest_meets_goal`, `sketch_meets_goal`.
-  - `step_ratio`: plain and guarded DDP loops of a 0.94B-parameter Llama-style decoder (d_model
-    2048, 16 layers, vocab 32000, 8 × 1024 tokens per step, bf16 autocast, AdamW) interleaved in
-    one process at world size 1 over NCCL, exact mode, verify and weights every 10 (the weights
-    and optimizer digests the guard skips at world size 1 are added with `check_replicas()`).
-    `ratio_of_totals` (headline) over whole 10-step rounds, `median_ratio`, `quartiles`, per-step
-    extras, `rounds` run (24 asked, ended early past 150 s: `stopped_early`).
-- `syncs_per_step`: device→host synchronisations per guarded step counted with
-  `torch.cuda.set_sync_debug_mode("warn")` (rank 0 of the multi-process clean run; the world-size-1
-  smoke, with the plain DDP loop's count for comparison; one more verification period of the
-  large model after its timed rounds), split into ordinary and verification steps (medians, and
-  every step's count); `null` values on the CPU (`--tiny`), where there is nothing to count. The debug mode does
-  not instrument `torch.distributed`, so these are the guard's own transfers, a lower bound.
+- `format`: `"replicheck.gpu_check/2"`; `mode`: `"gpu"` or `"tiny"` (CPU, `--tiny`); `ok`: every
+  part ran and passed its judged checks; `seconds`, `budget_s`, `started` (UTC);
+  `environment`: part g's result (also under `parts`).
+- `parts`: one object per part, each with `status` (`passed`, `failed`, `skipped`), `seconds`,
+  `error` (a traceback, the reason it was skipped, or `null`), `checks` (name →
+  `{"ok", "judged", "detail"}`; a check with `judged: false` records a finding and never fails
+  the part) and `result` (the part's figures). CUDA-only figures read `"not run on CPU"` with
+  `--tiny`.
+  - a. `exchange_exact`, `exchange_tolerant`: a DDP guarded loop on the small decoder (bf16
+    autocast in tolerant mode), verify and weights every step, 6 steps (3 with `--tiny`).
+    Checks `guarded_loop_verifies_every_step`, `backend`; `pair_distances` (recorded).
+  - b. `replicated_nan`: one check per case — `replicate` (`replicate_with_fsdp.replicate` per
+    block and the root), `hsdp_n_by_1` (`fully_shard` on a (1, 1) replicate × shard mesh),
+    `fsdp_one_gpu` — with a NaN in `blocks.0.ffn.down.weight`'s gradient from step 3 (an
+    ordinary step; verify every 2): passed if refused at construction with a typed `GuardError`
+    (its message in the detail) or an incident at step 3; failed on no incident (the detail says
+    whether the weights went non-finite) or any other error. `fsdp_cpu_offload`: single-GPU FSDP2
+    with `CPUOffloadPolicy`, exact, verify every step: `clean_exact_verification` and
+    `probe_batch_on_compute_device` (the devices of the batch the loss function saw in `probe`
+    and `replay` passes); not judged when single-GPU FSDP2 is refused.
+  - c. `reproducibility`: under `torch.use_deterministic_algorithms(True)`, digests of 3 repeats in
+    each of two processes: SDPA math, flash and memory-efficient backward (bf16, causal; flash
+    and memory-efficient not run on CPU), embedding backward with 3,072 and 8,192 indices, bf16
+    `linear` with its weight a 16-byte-aligned view into a bigger buffer vs a clone.
+    `result.operations`: per operation `in_process`, `across_processes` (and for the linear
+    `view_equals_clone`, `max_abs_difference`). Judged: math attention and the embeddings (the
+    exact probe relies on them today); the rest are findings.
+  - d. `probe_pass_memory`: a 4-layer decoder (d_model 1024, 16 heads, vocab 32000), one
+    sequence of 4,096 and of 8,192 tokens, bf16 autocast, exact mode, for
+    `GuardConfig(probe_attention="math")` and `"default"`: milliseconds and peak GiB of a
+    verification step (training pass, probe pass, replay) and of an ordinary step. Judged: the
+    option exists, every row ran, no false alarm.
+  - e. `gradient_fingerprints`: the 0.94B-parameter decoder's gradient list (random, fp32 and
+    bf16): `fingerprint.digests` and `fingerprint.sketches(k=4)`: `host_ms` (until the call
+    returns), `device_ms` (CUDA events), `kernel_launches` (`torch.profiler`). `update_replay`:
+    the same model under single-GPU FSDP2 (tolerant, AdamW, verify every 2): for a verification
+    and an ordinary step, `host_bytes` and `host_copies` (device→host copies seen by a dispatch
+    mode), `bytes_to_device`, `peak_GiB`, `allocated_before_GiB` and the devices each guard pass
+    computed on (`devices_by_pass`). Judged: it ran without error or false alarm (not judged
+    when refused).
+  - f. `overhead`: plain and guarded DDP loops of the 0.94B model (4 × 1024 tokens a step, bf16
+    autocast, AdamW; exact, verify and weights every 10), each loop 20 back-to-back steps with one
+    synchronisation at the end, interleaved for 3 rounds: per round `plain_s`, `guarded_s`,
+    peak GiB of each loop (both models resident: the difference is the guard's), and
+    `ratio_of_totals`. Then a tolerant bf16 guarded run (20 steps,
+    verify every 2): `pairs` (each verification's largest pair distance and threshold),
+    `largest_distance_after_calibration`, `threshold`. Judged: no false alarm; the largest
+    distance at or under the threshold.
+  - g. `environment`: torch, Python, CUDA, driver, NCCL, device, compute capability, memory,
+    `CUBLAS_WORKSPACE_CONFIG`, TF32 and reduced-precision flags, SDPA backends available and
+    enabled, whether `GuardConfig.probe_attention` exists.
 
-The exit status is 0 when every part passed, 1 when any part failed or ran out of the overall
-time budget (`--budget-s`), 2 for a bad command line. Every part runs in its own process, so one
-failing part still leaves the others' results.
+The exit status is 0 when every part passed, 1 when a judged check failed or a part failed or
+was skipped, 2 for a bad command line.
 """
 
 
 def write(data: dict[str, Any], out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu.json").write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    (out / "gpu.json").write_text(json.dumps(data, indent=2, default=str) + "\n", encoding="utf-8")
     (out / "gpu.md").write_text(markdown(data), encoding="utf-8")
 
 
@@ -70,73 +116,104 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
+def _cell(text: Any) -> str:
+    lines = str(text).strip().splitlines()
+    return (lines[-1] if lines else "").replace("|", "\\|")
+
+
+def _status(s: str) -> str:
+    return {"passed": "passed", "failed": "**FAILED**", "skipped": "skipped"}.get(s, s)
+
+
 def markdown(data: dict[str, Any]) -> str:
-    env = data["environment"]
+    env = data["environment"] or {}
+    made = "python benchmarks/gpu_check.py" + (" --tiny" if data["mode"] == "tiny" else "")
     lines = [
         "# GPU check",
         "",
-        f"Made with `python benchmarks/gpu_check.py{' --tiny' if data['mode'] == 'tiny' else ''}` on "
-        f"{env['device']} (torch {env['torch']}, CUDA {env['cuda']}), {data['started']}, "
-        f"{data['seconds']:.0f} s. Overall: **{'passed' if data['ok'] else 'FAILED'}**.",
+        f"Made with `{made}` on {env.get('device', 'n/a')} (torch {env.get('torch', 'n/a')}, CUDA "
+        f"{env.get('cuda')}, NCCL {env.get('nccl', 'n/a')}, driver {env.get('driver', 'n/a')}), "
+        f"{data['started']}, {data['seconds']:.0f} s of a {data['budget_s']:.0f} s budget. "
+        f"Overall: **{'passed' if data['ok'] else 'FAILED'}**.",
         "",
-        "| part | result | seconds |",
-        "|---|---|---|",
+        "| part | result | seconds | would have caught on d3f1fc3 |",
+        "|---|---|---|---|",
     ]
     for name in PARTS:
         p = data["parts"][name]
-        lines.append(f"| {name} | {'passed' if p['ok'] else 'FAILED'} | {_fmt(p['seconds'])} |")
+        lines.append(f"| {name} | {_status(p['status'])} | {_fmt(p['seconds'])} | {CAUGHT[name]} |")
     lines.append("")
     for name in PARTS:
         p = data["parts"][name]
         lines += [f"## {name}", ""]
         if p["error"]:
-            last = p["error"].strip().splitlines()[-1]
-            lines += [f"Error: `{last}` (full traceback in gpu.json)", ""]
+            lines += [f"Error: `{_cell(p['error'])}` (full text in gpu.json)", ""]
         if p["checks"]:
             lines += ["| check | result | detail |", "|---|---|---|"]
             for c, v in p["checks"].items():
-                detail = str(v["detail"]).strip().splitlines()[-1] if v["detail"] else ""
-                lines.append(f"| {c} | {'passed' if v['ok'] else 'FAILED'} | {detail} |")
+                res = ("passed" if v["ok"] else "**FAILED**") if v["judged"] else "recorded"
+                lines.append(f"| {c} | {res} | {_cell(v['detail'])} |")
             lines.append("")
         r = p["result"]
-        if name == "fingerprint_throughput" and r:
+        if not r:
+            continue
+        if name == "reproducibility":
+            lines += ["| operation | 3 repeats identical | across processes | note |", "|---|---|---|---|"]
+            for op, v in r["operations"].items():
+                note = v.get("note") or (
+                    f"view equals clone: {v['view_equals_clone']}" if "view_equals_clone" in v else ""
+                )
+                lines.append(
+                    f"| {op} | {_fmt(v['in_process'])} | {_fmt(v['across_processes'])} | {_cell(note)} |"
+                )
+            lines.append("")
+        if name == "gradient_fingerprints":
             lines += [
-                f"{r['tensor']['bytes'] / 2**30:.3g} GiB float32; copy bandwidth {r['copy_bandwidth_GBps']} GB/s "
-                "(read + written).",
+                f"{r['parameters']:,} parameters in {r['tensors']} tensors.",
                 "",
-                "| op | ms | tensor GB/s | fraction of copy bandwidth |",
-                "|---|---|---|---|",
+                "| dtype | op | host ms | device ms | kernel launches |",
+                "|---|---|---|---|---|",
             ]
-            for op, v in r["ops"].items():
-                frac = v["fraction_of_copy_bandwidth"]
-                lines.append(f"| {op} | {v['ms']} | {v['tensor_GBps']} | {'–' if frac is None else frac} |")
-            yes = {True: "met", False: "NOT met"}
+            for dtype in ("float32", "bfloat16"):
+                for op, v in r[dtype].items():
+                    lines.append(
+                        f"| {dtype} | {op} | {v['host_ms']} | {v['device_ms']} | {v['kernel_launches']} |"
+                    )
+            lines += ["", f"Update replay ({r['update_replay']['setup']}):", ""]
+            lines += ["```", json.dumps(r["update_replay"], indent=1, default=str), "```", ""]
+        if name == "overhead":
+            lines += [f"{r['setup']}; {r['parameters']:,} parameters.", ""]
+            lines += [
+                "| round | plain s | guarded s | plain peak GiB | guarded peak GiB |",
+                "|---|---|---|---|---|",
+            ]
+            for i, row in enumerate(r["rounds"]):
+                lines.append(
+                    f"| {i} | {row['plain_s']} | {row['guarded_s']} | {row['plain_peak_GiB']} | {row['guarded_peak_GiB']} |"
+                )
+            tol = r["tolerant_bf16"]
             lines += [
                 "",
-                f"Goal (fingerprint GB/s ≥ 0.5 × copy bandwidth): digest {yes[r['digest_meets_goal']]}, "
-                f"sketch {yes[r['sketch_meets_goal']]}.",
+                f"Guarded / plain over all rounds: **{_fmt(r.get('ratio_of_totals'))}**. Tolerant bf16: largest "
+                f"pair distance after calibration {_fmt(tol.get('largest_distance_after_calibration'))}, "
+                f"threshold {_fmt(tol.get('threshold'))}.",
                 "",
             ]
-        if name == "step_ratio" and r:
-            lines += [
-                f"{r['setup']}; {r['parameters']:,} parameters, {r['tokens_per_step']} tokens per "
-                f"step, {r['precision']}; {r['guard']}.",
-                "",
-                "| figure | value |",
-                "|---|---|",
-                f"| total guarded / total plain ({r['rounds']} rounds of 10 steps) | **{r['ratio_of_totals']}** |",
-                f"| median of per-round ratios | {r['median_ratio']} |",
-                f"| quartiles | {', '.join(map(str, r['quartiles'])) or 'n/a'} |",
-                f"| plain step (median) | {r['plain_step_ms_median']} ms |",
-                f"| extra per verification step (median) | {_fmt(r['verification_step_extra_ms_median'])} ms |",
-                f"| extra per ordinary step (median) | {_fmt(r['ordinary_step_extra_ms_median'])} ms |",
-                "",
-            ]
-    lines += ["## Device→host synchronisations per step", ""]
-    lines += ["| run | ordinary steps | verification steps | plain loop |", "|---|---|---|---|"]
-    for run, v in data["syncs_per_step"].items():
-        lines.append(
-            f"| {run} | {_fmt(v.get('ordinary'))} | {_fmt(v.get('verification'))} | {_fmt(v.get('plain'))} |"
-        )
-    lines += ["", FORMAT_DOC]
+        if name == "probe_pass_memory":
+            lines += ["| tokens | probe attention | verification step | ordinary step |", "|---|---|---|---|"]
+            for row in r["rows"]:
+                if row.get("error") or row.get("incident"):
+                    lines.append(
+                        f"| {row['tokens']} | {row['probe_attention']} | {_cell(row.get('error') or 'incident')} | |"
+                    )
+                    continue
+                v, o = row["verification_step"], row["ordinary_step"]
+                lines.append(
+                    f"| {row['tokens']} | {row['probe_attention']} | {v['ms']} ms, {gib(v['peak_GiB'])} | "
+                    f"{o['ms']} ms, {gib(o['peak_GiB'])} |"
+                )
+            lines.append("")
+        if name == "environment":
+            lines += ["```", json.dumps(r, indent=1, default=str), "```", ""]
+    lines += [FORMAT_DOC]
     return "\n".join(lines)

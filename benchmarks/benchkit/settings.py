@@ -13,74 +13,79 @@ class CheckSettings:
 
     device: str
     """``cuda`` or ``cpu``."""
-    multi_backend: str
-    """Backend of the multi-process guard runs (gloo: NCCL cannot put two ranks on one device)."""
-    single_backend: str
-    """Backend of the world-size-1 smoke and of the step-time ratio (``nccl`` on a GPU)."""
-    ranks: int
-    """Processes sharing the device in the guard runs (3: enough to name a culprit)."""
+    backend: str
+    """Backend of every part's world-size-1 process group (``nccl`` on a GPU, ``gloo`` on the CPU)."""
     small: DecoderConfig
-    """The small Llama-style model of the guard runs and the smoke."""
+    """The small Llama-style decoder of the guarded loops (parts a and b)."""
     small_batch: int
-    """Sequences per rank per step in the guard runs."""
-    steps: int
-    """Steps of each guard run."""
-    verify_every: int
-    """Verification (and weights) period of the guard runs."""
-    fault_onset: int
-    """First faulty step of the fault runs (caught at the next verification step)."""
-    save_at: int
-    """The clean run saves a checkpoint after this step; the resumed run continues from it."""
-    dropout: float
-    """Dropout on the embeddings of the guard runs' model (exercises the device RNG on resume)."""
-    tensor_bytes: int
-    """Size of the tensor whose fingerprint throughput is measured."""
-    repeats: int
-    """Timed repetitions of each throughput measurement (the median is reported)."""
+    """Sequences per step of the guarded loops."""
+    loop_steps: int
+    """Steps of each guarded loop of part a (every one a verification)."""
+    nan_step: int
+    """Step whose gradient gets the NaN in part b (an ordinary step: verify every 2, from step 0)."""
+    sdpa_shape: tuple[int, int, int, int]
+    """(batch, heads, tokens, head dim) of the attention backward of part c."""
+    embedding: tuple[int, int]
+    """(rows, width) of the embedding table of part c."""
+    linear: tuple[int, int, int]
+    """(tokens, in, out) of the bf16 ``linear`` of part c."""
+    probe_model: DecoderConfig
+    """The decoder of part d (its ``seq_len`` is replaced by each length of ``probe_tokens``)."""
+    probe_tokens: tuple[int, ...]
+    """Sequence lengths (one sequence) of part d."""
     big: DecoderConfig
-    """The model of the step-time ratio (about 1B parameters on a GPU)."""
+    """The ~1B-parameter decoder of parts e and f (tiny on the CPU)."""
     big_batch: int
-    """Sequences per step of the step-time ratio."""
-    rounds: int
-    """Interleaved rounds of the step-time ratio (each: 10 plain and 10 guarded steps)."""
-    ratio_budget_s: float
-    """No new round of the step-time ratio starts after this many seconds of rounds."""
+    """Sequences per step of part f."""
+    overhead_steps: int
+    """Back-to-back steps per loop of part f (one synchronisation at the end)."""
+    overhead_rounds: int
+    """Plain/guarded loop pairs of part f (interleaved)."""
+    repeats: int
+    """Timed repetitions of each fingerprint measurement of part e (the median is reported)."""
 
 
-def gpu_settings(rounds: int) -> CheckSettings:
+def gpu_settings() -> CheckSettings:
     return CheckSettings(
         device="cuda",
-        multi_backend="gloo",
-        single_backend="nccl",
-        ranks=3,
+        backend="nccl",
         small=DecoderConfig(vocab=512, d_model=128, n_layers=2, n_heads=4, seq_len=128),
         small_batch=4,
-        steps=10,
-        verify_every=4,
-        fault_onset=5,
-        save_at=4,
-        dropout=0.1,
-        tensor_bytes=4 * 2**30,
-        repeats=10,
+        loop_steps=6,
+        nan_step=3,
+        sdpa_shape=(2, 16, 2048, 64),
+        embedding=(32000, 1024),
+        linear=(4096, 4096, 4096),
+        # At 8K tokens the math backend's attention matrix is 16 heads x 8K x 8K x 4 B = 4 GiB a layer.
+        probe_model=DecoderConfig(vocab=32000, d_model=1024, n_layers=4, n_heads=16, seq_len=4096),
+        probe_tokens=(4096, 8192),
         # 16 layers x (4 d^2 attention + 3 d x 5464 SwiGLU) + 2 x 32000 x d embeddings: 0.94e9.
         big=DecoderConfig(vocab=32000, d_model=2048, n_layers=16, n_heads=16, seq_len=1024),
-        big_batch=8,
-        rounds=rounds,
-        ratio_budget_s=150.0,
+        big_batch=4,
+        overhead_steps=20,
+        overhead_rounds=3,
+        repeats=5,
     )
 
 
-def tiny_settings(rounds: int) -> CheckSettings:
-    """The GPU run's schedule (steps, onset, periods, ranks) on a tiny model on the CPU."""
+def tiny_settings() -> CheckSettings:
+    """The GPU run's code paths and schedule on tiny shapes on the CPU."""
     tiny = DecoderConfig(vocab=64, d_model=32, n_layers=2, n_heads=4, seq_len=16)
     return replace(
-        gpu_settings(rounds),
+        gpu_settings(),
         device="cpu",
-        single_backend="gloo",
+        backend="gloo",
         small=tiny,
-        tensor_bytes=8 * 2**20,
-        repeats=3,
+        small_batch=2,
+        loop_steps=3,
+        sdpa_shape=(1, 2, 64, 16),
+        embedding=(512, 16),
+        linear=(32, 64, 64),
+        probe_model=tiny,
+        probe_tokens=(32, 64),
         big=tiny,
-        big_batch=4,
-        ratio_budget_s=10.0,
+        big_batch=2,
+        overhead_steps=20,
+        overhead_rounds=1,
+        repeats=2,
     )
