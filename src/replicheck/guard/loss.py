@@ -26,7 +26,8 @@ class LossSum:
     total: torch.Tensor
     """Scalar: the loss summed over the pass's items."""
     count: torch.Tensor | int
-    """How many items ``total`` sums over."""
+    """How many items ``total`` sums over: a number, or a one-value tensor (not read per pass:
+    the step reads all its passes' tensor counts in one host transfer, before its last backward)."""
 
 
 LossOutput = torch.Tensor | LossSum
