@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -26,7 +26,8 @@ class LossSum:
     total: torch.Tensor
     """Scalar: the loss summed over the pass's items."""
     count: torch.Tensor | int
-    """How many items ``total`` sums over."""
+    """How many items ``total`` sums over: a number, or a one-value tensor (not read per pass:
+    the step reads all its passes' tensor counts in one host transfer, before its last backward)."""
 
 
 LossOutput = torch.Tensor | LossSum
@@ -36,19 +37,48 @@ LossFn = Callable[[torch.nn.Module, Any], LossOutput]
 :class:`LossSum`."""
 
 
-def unpack(out: object) -> tuple[torch.Tensor, float | None]:
-    """The tensor to differentiate and the item count (``None`` for a plain scalar loss)."""
+Count = float | torch.Tensor
+"""A pass's item count: a number, or a one-value tensor left where ``loss_fn`` made it."""
+
+
+def unpack(out: object) -> tuple[torch.Tensor, Count | None]:
+    """The tensor to differentiate and the item count (``None`` for a plain scalar loss).
+
+    A tensor count is not read here (that would be a host transfer per forward): the step reads
+    every pass's count together, once, with :func:`step_counts`.
+    """
     if isinstance(out, LossSum):
         if not isinstance(out.total, torch.Tensor) or out.total.numel() != 1:
             raise LossContractError("LossSum.total must be a scalar tensor")
-        # A device tensor count is one counted host transfer per pass (pass a Python number
-        # to avoid it): the count sets the step's gradient scale on the host.
-        count = float(
-            to_host(out.count, "LossSum.count") if isinstance(out.count, torch.Tensor) else out.count
-        )
-        if not count >= 0:
-            raise LossContractError(f"LossSum.count must be >= 0, got {count}")
+        if isinstance(out.count, torch.Tensor):
+            if out.count.numel() != 1:
+                raise LossContractError(
+                    f"LossSum.count must be a number or a one-value tensor, got shape {tuple(out.count.shape)}"
+                )
+            return out.total.reshape(()), out.count.detach().reshape(())
+        count = float(out.count)
+        _check_count(count)
         return out.total.reshape(()), count
     if isinstance(out, torch.Tensor) and out.numel() == 1:
         return out.reshape(()), None
     raise LossContractError(f"loss_fn must return a scalar tensor or a LossSum, got {type(out).__name__}")
+
+
+def step_counts(counts: Sequence[Count]) -> list[float]:
+    """Every pass's item count as a number, in order: the tensor counts of a step reach the host
+    together, in one counted transfer, and each is checked like a number."""
+    tensors = [c for c in counts if isinstance(c, torch.Tensor)]
+    read: list[float] = []
+    if tensors:
+        device = tensors[0].device
+        read = to_host(torch.stack([t.to(device, torch.float64) for t in tensors]), "LossSum.count").tolist()
+    values = iter(read)
+    out = [next(values) if isinstance(c, torch.Tensor) else float(c) for c in counts]
+    for c in out:
+        _check_count(c)
+    return out
+
+
+def _check_count(count: float) -> None:
+    if not count >= 0:
+        raise LossContractError(f"LossSum.count must be >= 0, got {count}")

@@ -18,15 +18,18 @@ the corrupted update is not applied. With two ranks there is no arbiter: ``ambig
 Only optimizers whose update of a value reads that value's own state and gradient alone are
 replayed (``REPLAYABLE``): one that reads whole tensors (a norm, a matrix factor) would compute
 something else over a shard. This costs, on verification steps, one copy of the shard's
-parameters, gradients and optimizer state before the step, the transfer of those and of the
-results to the verifier, and the verifier's optimizer step on them.
+parameters, gradients and optimizer state before the step (the record), the transfer of it to
+the verifier, and the verifier's optimizer step on it. The new values are read in place, not
+copied; the replay steps the record a part (about an eighth) at a time, so the check holds no
+second copy of the shard; the record is packed on the shard's device (host step counters ride
+in its header as numbers), and one device→host copy (the digests) is made per record.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -36,7 +39,6 @@ from replicheck.guard.attribution.verdict import Evidence, Finding
 from replicheck.guard.errors import GuardError, UpdateReplayError
 from replicheck.guard.gate import step_gate
 from replicheck.guard.shards import local
-from replicheck.guard.transport.batch import to_device
 from replicheck.guard.transport.comm import Comm
 from replicheck.guard.transport.records import (
     DigestEntry,
@@ -104,14 +106,15 @@ class UpdateReplay:
         """
         self._armed = False
         before = self._before
-        after = None if before is None else snapshot(self._optimizer, grads=False).params
+        # The new values are read in place (not copied) until the step is undone or kept.
+        after = None if before is None else live(self._optimizer)
         record = UpdateRecord(before=before, after=after)
         me, ring = self._comm.rank, self._ring
         verifier, source = ring.verifier_of(me), ring.source_of(me)
-        light = UpdateRecord(before=before, digests=None if after is None else _digests(after))
+        light = UpdateRecord(before=before, digests=None if after is None else digests(after))
         got = UpdateRecord.decode(self._comm.exchange([(verifier, light.encode())], [source])[source])
-        replayed, failure = self._replay(got)
-        same = failure is None and (replayed is None or _digests(replayed) == got.digests)
+        replayed, failure = self._replay_digests(got)
+        same = failure is None and (replayed is None or replayed == got.digests)
         pending = [v for v, ok in enumerate(self._comm.gather_objects(same)) if not ok]
         if not pending:
             self._before = None  # the copy of the shard is not kept between verifications
@@ -122,11 +125,7 @@ class UpdateReplay:
         if me in pending:
             values = UpdateValues.decode(inbox[source]).values
             got = UpdateRecord(before=got.before, after=values)
-            mine = (
-                (math.inf, failure or "")
-                if replayed is None or got.before is None
-                else _compare(_on(self._optimizer, values), replayed, _on(self._optimizer, got.before.params))
-            )
+            mine = (math.inf, failure or "") if replayed is None else judge(self._optimizer, got)
         outcomes = self._comm.gather_objects(mine)
         failing = [(ring.source_of(v), v) for v, (ratio, _) in enumerate(outcomes) if not ratio <= 1.0]
         if len(failing) == ring.world_size >= 3:
@@ -147,12 +146,13 @@ class UpdateReplay:
             return None
         return self._resolve(step, failing, outcomes, record, got)
 
-    def _replay(self, record: UpdateRecord) -> tuple[list[ParamState] | None, str | None]:
-        """This rank's replay of a source's record: the new state, or why it could not run."""
+    def _replay_digests(self, record: UpdateRecord) -> tuple[tuple[DigestEntry, ...] | None, str | None]:
+        """Digests of this rank's replay of a source's record, or why it could not run."""
         if record.before is None:
             return None, None
         try:
-            return _replay(type(self._optimizer), record.before, _device(self._optimizer)), None
+            parts = _replay(type(self._optimizer), record.before, _device(self._optimizer))
+            return _digests_of_parts(parts), None
         except Exception as exc:  # noqa: BLE001 - a replay that cannot run is a failed check, recorded
             log.warning("the update replay failed: %s", exc)
             return None, f"replay failed: {type(exc).__name__}: {exc}"
@@ -234,12 +234,14 @@ class UpdateReplay:
         the same (disputed) values as the first time. Leaves the state as before the step."""
         if self._before is None or record.before is None or record.after is None:
             return False
+        # The record's new values may be this rank's live state, which the restore overwrites.
+        first = [{k: _copy(v) for k, v in st.items()} for st in record.after]
         _restore(self._optimizer, self._before)
         self._armed = False
         _step_ungated(self._optimizer)
-        second = snapshot(self._optimizer, grads=False).params
+        second = live(self._optimizer)
+        ratio, _ = _compare(first, second, record.before.params)
         _restore(self._optimizer, self._before)
-        ratio, _ = _compare(record.after, second, record.before.params)
         return ratio <= 1.0
 
 
@@ -274,6 +276,22 @@ def snapshot(optimizer: torch.optim.Optimizer, *, grads: bool = True) -> ShardSt
     )
 
 
+def live(optimizer: torch.optim.Optimizer) -> tuple[ParamState, ...]:
+    """This rank's shard of every parameter (``value``) and state value as they are now: the
+    optimizer's own tensors, not copies (valid until the state next changes)."""
+    return tuple(
+        {
+            **{
+                k: local(v) if isinstance(v, torch.Tensor) else v
+                for k, v in optimizer.state.get(p, {}).items()
+            },
+            "value": local(p).detach(),
+        }
+        for g in optimizer.param_groups
+        for p in g["params"]
+    )
+
+
 def _copy(v: object) -> object:
     return v.detach().clone() if isinstance(v, torch.Tensor) else v
 
@@ -305,31 +323,72 @@ def _restore(optimizer: torch.optim.Optimizer, before: ShardState) -> None:
                     live[k] = _copy(v)
 
 
+_CHUNKS = 8
+"""A replay steps the shard in about this many parts, so its working copy is a fraction of it."""
+
+
 def _replay(
     cls: Callable[..., torch.optim.Optimizer], before: ShardState, device: torch.device
-) -> list[ParamState]:
-    """Step a fresh optimizer of ``cls`` over plain copies of the recorded shard."""
-    rec: ShardState = to_device(before, device)
-    params: list[torch.Tensor] = []
-    groups: list[dict[str, object]] = []
+) -> Iterator[list[ParamState]]:
+    """Step fresh optimizers of ``cls`` over plain copies of the recorded shard, a part at a
+    time (consecutive parameters of one group, about ``1/_CHUNKS`` of the shard's bytes each):
+    each part's new values in order, to be consumed (and dropped) before the next is made.
+
+    The replayable optimizers update each value from its own state and gradient alone, so a part
+    steps exactly as the whole would; the record is not modified (it may be this rank's own).
+    """
+    budget = max(1, sum(_nbytes(st) for st in before.params) // _CHUNKS)
     i = 0
-    for hp, n in zip(rec.groups, rec.sizes):
-        members = []
-        for st in rec.params[i : i + n]:
-            p = _tensor(st["value"], "value").clone()
-            grad = st["grad"]
-            p.grad = None if grad is None else _tensor(grad, "grad").clone()
-            members.append(p)
-        params.extend(members)
-        groups.append({**hp, "params": members})
+    for hp, n in zip(before.groups, before.sizes):
+        members = list(before.params[i : i + n])
         i += n
-    shadow = cls(groups)
-    for p, st in zip(params, rec.params):
-        kept = {k: _copy(v) for k, v in st.items() if k not in ("value", "grad")}
+        part: list[ParamState] = []
+        size = 0
+        for k, st in enumerate(members):
+            part.append(st)
+            size += _nbytes(st)
+            if size >= budget or k == len(members) - 1:
+                yield _step_part(cls, hp, part, device)
+                part, size = [], 0
+
+
+def _step_part(
+    cls: Callable[..., torch.optim.Optimizer],
+    hp: dict[str, object],
+    part: Sequence[ParamState],
+    device: torch.device,
+) -> list[ParamState]:
+    params: list[torch.Tensor] = []
+    for st in part:
+        p = _fresh(_tensor(st["value"], "value"), device)
+        grad = st["grad"]
+        p.grad = None if grad is None else _fresh(_tensor(grad, "grad"), device)
+        params.append(p)
+    shadow = cls([{**hp, "params": params}])
+    for p, st in zip(params, part):
+        # Host scalars (step counters) stay on the host, where the optimizer keeps them.
+        kept = {
+            k: _fresh(v, v.device if _host_scalar(v) else device) if isinstance(v, torch.Tensor) else v
+            for k, v in st.items()
+            if k not in ("value", "grad")
+        }
         if kept:
             shadow.state[p] = kept
     shadow.step()
     return [{**shadow.state.get(p, {}), "value": p.detach()} for p in params]
+
+
+def _fresh(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A copy of ``t`` on ``device`` that nothing else refers to."""
+    return t.detach().to(device, copy=True)
+
+
+def _host_scalar(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and t.dim() == 0
+
+
+def _nbytes(st: ParamState) -> int:
+    return sum(v.numel() * v.element_size() for v in st.values() if isinstance(v, torch.Tensor))
 
 
 def judge(optimizer: torch.optim.Optimizer, record: UpdateRecord) -> tuple[float, str]:
@@ -338,14 +397,18 @@ def judge(optimizer: torch.optim.Optimizer, record: UpdateRecord) -> tuple[float
     step), and where it was."""
     if record.before is None:
         return 0.0, ""
+    if record.after is None:
+        return math.inf, "no new values in the record"
     try:
-        replayed = _replay(type(optimizer), record.before, _device(optimizer))
+        # Compared a part at a time as the replay produces it (no whole second shard).
+        return _compare(
+            _on(optimizer, record.after),
+            (st for part in _replay(type(optimizer), record.before, _device(optimizer)) for st in part),
+            _on(optimizer, record.before.params),
+        )
     except Exception as exc:  # noqa: BLE001 - a replay that cannot run is a failed check, recorded
         log.warning("the update replay failed: %s", exc)
         return math.inf, f"replay failed: {type(exc).__name__}: {exc}"
-    if record.after is None:
-        return math.inf, "no new values in the record"
-    return _compare(_on(optimizer, record.after), replayed, _on(optimizer, record.before.params))
 
 
 def _device(optimizer: torch.optim.Optimizer) -> torch.device:
@@ -353,21 +416,58 @@ def _device(optimizer: torch.optim.Optimizer) -> torch.device:
 
 
 def _on(optimizer: torch.optim.Optimizer, values: Values) -> list[ParamState]:
-    moved: list[ParamState] = to_device(list(values), _device(optimizer))
-    return moved
+    """``values`` on the optimizer's device, host scalars (step counters) left on the host."""
+    device = _device(optimizer)
+    return [
+        {k: v.to(device) if isinstance(v, torch.Tensor) and not _host_scalar(v) else v for k, v in st.items()}
+        for st in values
+    ]
 
 
-def _digests(state: Values) -> tuple[DigestEntry, ...]:
+def digests(state: Values) -> tuple[DigestEntry, ...]:
     """Exact digests of every new value (tensors; other values as they are), one host transfer."""
-    keys = [(i, k) for i, st in enumerate(state) for k in sorted(st) if k != "grad"]
-    tensors = [v for i, k in keys if isinstance(v := state[i][k], torch.Tensor)]
-    codes = iter(to_host(fp.digests(tensors), "update digests").tolist() if tensors else [])
-    return tuple(
-        (i, k, next(codes) if isinstance(state[i][k], torch.Tensor) else state[i][k]) for i, k in keys
-    )
+    return _digests_of_parts([state])
 
 
-def _compare(claimed: Values, replayed: Values, before: Values) -> tuple[float, str]:
+def _digests_of_parts(parts: Iterable[Values]) -> tuple[DigestEntry, ...]:
+    """:func:`digests` of the parameters of ``parts`` in order; each part is digested on its
+    device as it comes (and may then be dropped), and the digests cross to the host together.
+    A host scalar (a step counter) is its own digest: its value, read where it already is."""
+    entries: list[tuple[int, str, object]] = []
+    codes: list[torch.Tensor] = []
+    n = i = 0
+    for part in parts:
+        tensors: list[torch.Tensor] = []
+        for st in part:
+            for k in sorted(st):
+                if k == "grad":
+                    continue
+                v = st[k]
+                if isinstance(v, torch.Tensor) and _host_scalar(v):
+                    v = v.item()
+                if isinstance(v, torch.Tensor):
+                    tensors.append(v)
+                    entries.append((i, k, _Code(n)))
+                    n += 1
+                else:
+                    entries.append((i, k, v))
+            i += 1
+        if tensors:
+            codes.append(fp.digests(tensors))
+    host = to_host(torch.cat(codes), "update digests").tolist() if codes else []
+    return tuple((i, k, host[v.index] if isinstance(v, _Code) else v) for i, k, v in entries)
+
+
+class _Code:
+    """The place of a tensor's digest among a record's digests, while they are computed."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+
+def _compare(claimed: Values, replayed: Iterable[ParamState], before: Values) -> tuple[float, str]:
     worst, where = 0.0, ""
     for i, (c, r, b) in enumerate(zip(claimed, replayed, before)):
         for k, want in r.items():

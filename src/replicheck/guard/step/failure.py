@@ -16,7 +16,7 @@ from typing import TypeVar
 import torch
 
 from replicheck.guard.errors import PeerFailed
-from replicheck.guard.loss import LossSum, unpack
+from replicheck.guard.loss import Count, LossSum, unpack
 from replicheck.guard.parallel.base import Parallelism
 from replicheck.guard.step.determinism import determinism_error
 from replicheck.guard.step.flags import FailureFlags
@@ -53,10 +53,10 @@ class StepFailure:
         if self.error is None:
             self.error = determinism_error(exc) or exc
 
-    def forward(self, run: Callable[[], object], where: str) -> tuple[torch.Tensor, float | None] | None:
+    def forward(self, run: Callable[[], object], where: str) -> tuple[torch.Tensor, Count | None] | None:
         """One forward pass, then its flag; ``None`` when this rank has failed in the step."""
         loss: torch.Tensor | None = None
-        count: float | None = None
+        count: Count | None = None
         entered = self._par.forwards()
         skipped = self.error is not None or self._peer_failed
         if not skipped:

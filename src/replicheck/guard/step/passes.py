@@ -17,7 +17,7 @@ from replicheck.guard.checks.health import GradStats
 from replicheck.guard.config import GuardConfig, ProbeMode
 from replicheck.guard.context import running
 from replicheck.guard.errors import GuardError, LossContractError
-from replicheck.guard.loss import LossFn
+from replicheck.guard.loss import Count, LossFn, step_counts
 from replicheck.guard.parallel.base import Parallelism
 from replicheck.guard.step.failure import StepFailure
 from replicheck.guard.step.replay import (
@@ -39,8 +39,8 @@ class SplitProbe:
 
     loss: torch.Tensor
     """The probe's (detached) loss."""
-    count: float | None
-    """Its item count when ``loss_fn`` returned a ``LossSum``."""
+    count: Count | None
+    """Its item count when ``loss_fn`` returned a ``LossSum`` (a tensor is read with the step's)."""
     weight: float
     """Its share of the step's loss (1 for a ``LossSum``: the step rescales at the end)."""
     rest: Any | None
@@ -108,7 +108,7 @@ class StepPasses:
         total = sum(sizes)
         per_pass = 1.0 if self._config.loss_reduction == "sum" else None
         weights = [per_pass if per_pass is not None else n / total for n in sizes]
-        parts: list[tuple[float, torch.Tensor, float | None]] = []  # (weight, loss, count)
+        parts: list[tuple[float, torch.Tensor, Count | None]] = []  # (weight, loss, count)
         passes: list[BackwardPass] = []
         if own is not None and own.split is not None:
             probe = own.split
@@ -138,7 +138,11 @@ class StepPasses:
                 if count is not None:
                     w = 1.0
                     if last:
-                        items = sum(c or 0.0 for _, _, c in parts) + count
+                        # Every pass's count read now, together (one transfer for tensor counts);
+                        # a bad one is this rank's error, reported in the step's flags.
+                        counts = [c for _, _, c in parts if c is not None] + [count]
+                        read = self._fail.attempt(functools.partial(step_counts, counts))
+                        items = 0.0 if read is None else sum(read[:-1]) + read[-1]
                         scale = 1.0 / items if items > 0 else 1.0
                         if deferred:
                             self._par.set_reduction_scale(scale)
@@ -163,7 +167,7 @@ class StepPasses:
             self._fail.note(self._health.errors[0])
         return Backward(loss=step_loss, passes=passes)
 
-    def _note_loss_kind(self, count: float | None) -> None:
+    def _note_loss_kind(self, count: Count | None) -> None:
         kind = count is not None
         if self._loss_sum is not None and kind != self._loss_sum:
             raise LossContractError("loss_fn must return a LossSum on every call or on none")
@@ -173,10 +177,10 @@ class StepPasses:
         """Scale what earlier (unsynced) passes accumulated, before the synced pass adds to it."""
         if scale == 1.0:
             return
-        with torch.no_grad():
-            for p in self._params:
-                if p.grad is not None:
-                    p.grad.mul_(scale)
+        grads = [p.grad for p in self._params if p.grad is not None]
+        if grads:
+            with torch.no_grad():
+                torch._foreach_mul_(grads, scale)  # one launch for the model, not one per parameter
 
     def probe_mode(self) -> ProbeMode:
         """``split`` only where it leaves the update unchanged; else ``extra``."""

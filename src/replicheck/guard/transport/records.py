@@ -309,9 +309,9 @@ class UpdateRecord:
         b = self.before
         return (
             _UPDATE_TAG,
-            None if b is None else (list(b.groups), list(b.sizes), list(b.params)),
+            None if b is None else (list(b.groups), list(b.sizes), _host_scalars_out(b.params)),
             None if self.digests is None else [list(d) for d in self.digests],
-            None if self.after is None else list(self.after),
+            None if self.after is None else _host_scalars_out(self.after),
         )
 
     @classmethod
@@ -327,12 +327,12 @@ class UpdateRecord:
             state = ShardState(
                 groups=tuple(_mapping(g) for g in _seq(groups)),
                 sizes=tuple(_int(n) for n in _seq(sizes)),
-                params=tuple(_mapping(p) for p in _seq(params)),
+                params=tuple(_host_scalars_in(_mapping(p)) for p in _seq(params)),
             )
         return cls(
             before=state,
             digests=None if digests is None else tuple(_digest_entry(d) for d in _seq(digests)),
-            after=None if after is None else tuple(_mapping(p) for p in _seq(after)),
+            after=None if after is None else tuple(_host_scalars_in(_mapping(p)) for p in _seq(after)),
         )
 
 
@@ -343,13 +343,49 @@ class UpdateValues:
     values: tuple[ParamState, ...]
 
     def encode(self) -> tuple[object, ...]:
-        return (_VALUES_TAG, list(self.values))
+        return (_VALUES_TAG, _host_scalars_out(self.values))
 
     @classmethod
     def decode(cls, wire: object) -> UpdateValues:
         if not (isinstance(wire, tuple) and len(wire) == 2 and wire[0] == _VALUES_TAG):
             raise WireFormatError(f"not update values: {type(wire).__name__}")
-        return cls(values=tuple(_mapping(p) for p in _seq(wire[1])))
+        return cls(values=tuple(_host_scalars_in(_mapping(p)) for p in _seq(wire[1])))
+
+
+_HOST_SCALAR_TAG = "replicheck.host-scalar/1"
+
+
+def _host_scalars_out(params: Sequence[ParamState]) -> list[ParamState]:
+    """``params`` with every 0-dim host tensor (an optimizer's step counter, kept on the host
+    beside device state) written as a number in the message's header.
+
+    A host tensor among device tensors would make the message be packed on the host (one
+    blocking copy per state tensor) and copied back to the device for the send; as a number it
+    rides in the header and the tensors are packed on their device.
+    """
+    return [
+        {
+            k: (_HOST_SCALAR_TAG, str(v.dtype).removeprefix("torch."), v.item())
+            if isinstance(v, torch.Tensor) and v.device.type == "cpu" and v.dim() == 0
+            else v
+            for k, v in st.items()
+        }
+        for st in params
+    ]
+
+
+def _host_scalars_in(state: ParamState) -> ParamState:
+    """Inverse of :func:`_host_scalars_out` for one parameter: host scalars as host tensors."""
+    out: ParamState = {}
+    for k, v in state.items():
+        if isinstance(v, (tuple, list)) and len(v) == 3 and v[0] == _HOST_SCALAR_TAG:
+            dtype = getattr(torch, str(v[1]), None)
+            if not isinstance(dtype, torch.dtype) or not isinstance(v[2], (int, float, bool)):
+                raise WireFormatError(f"a malformed host scalar in an update record: {v!r}")
+            out[k] = torch.tensor(v[2], dtype=dtype)
+        else:
+            out[k] = v
+    return out
 
 
 def _seq(x: object) -> Sequence[object]:
