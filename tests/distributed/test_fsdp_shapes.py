@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import guard_faults as gf
 import pytest
 import torch
 import torch.distributed as dist
@@ -128,16 +129,6 @@ def test_counted_loss_sum_update_equals_the_users_per_pass_loop() -> None:
         assert r["verified"] == 2
 
 
-def _nan_loss(rank: int, at: int) -> Any:
-    def loss(module: torch.nn.Module, batch: Any) -> torch.Tensor:
-        out = lm_loss(module, batch)
-        if dist.get_rank() == rank and current_step() == at:
-            return out * float("nan")
-        return out
-
-    return loss
-
-
 def _replicated_nan_job(ctx: RankContext, shape: str) -> tuple[str, str]:
     """A NaN gradient on rank 1 at step 1 of a replicated job run through FSDP2: refused at
     construction, an incident, or (the failure) applied silently."""
@@ -145,17 +136,20 @@ def _replicated_nan_job(ctx: RankContext, shape: str) -> tuple[str, str]:
     model = make_model(TINY, seed=0)
     if shape == "replicate":
         from torch.distributed._composable.replicate_with_fsdp import replicate
+        from torch.distributed.device_mesh import init_device_mesh
 
+        mesh = init_device_mesh("cpu", (ctx.world_size,), mesh_dim_names=("replicate",))
         for block in model.blocks:  # type: ignore[union-attr]
-            replicate(block)
-        replicate(model)
+            replicate(block, mesh=mesh)
+        replicate(model, mesh=mesh)
     else:
         model = shard(model, ctx.world_size, replicas=ctx.world_size)  # an (N, 1) HSDP mesh
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     try:
-        guard = Guard(model, opt, _nan_loss(1, 1), config=GuardConfig(verify_every=1), node=ctx.node)
+        guard = Guard(model, opt, lm_loss, config=GuardConfig(verify_every=1), node=ctx.node)
     except GuardConfigError as exc:
         return "refused", str(exc)
+    gf.nan_grad(ctx, model, opt, guard, rank=1, at=1)
     try:
         for s in range(3):
             guard.step(synthetic_batch(TINY, step=s, rank=ctx.rank, batch=4))
@@ -183,7 +177,8 @@ def _alone_job(ctx: RankContext) -> tuple[str, int | None, str, int]:
     torch.set_num_threads(1)
     model = shard(make_model(TINY, seed=0), 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    guard = Guard(model, opt, _nan_loss(0, 2), config=GuardConfig(verify_every=2))
+    guard = Guard(model, opt, lm_loss, config=GuardConfig(verify_every=2))
+    gf.nan_grad(ctx, model, opt, guard, rank=0, at=2)
     entries = 0
     try:
         for s in range(4):
@@ -221,14 +216,16 @@ class _Reversed(torch.nn.Module):
 
 def _order_job(ctx: RankContext) -> list[str]:
     """The units a failed rank all-gathers, in order, after one real forward."""
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     from replicheck.guard.parallel import detect
 
+    mesh = init_device_mesh("cpu", (1,))
     model = _Reversed()
-    fully_shard(model.a)
-    fully_shard(model.b)
-    fully_shard(model)
+    fully_shard(model.a, mesh=mesh)
+    fully_shard(model.b, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     par = detect(model)
     model(torch.randn(3, 4)).sum().backward()
     seen: list[str] = []
@@ -256,7 +253,7 @@ def test_failed_rank_replays_all_gathers_in_the_forwards_order() -> None:
 
 def _construct_job(ctx: RankContext, case: str) -> tuple[str, str]:
     """Guard construction on a world-size-1 FSDP2 model of one shape; then three steps."""
-    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
     from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, ShardPlacementResult
@@ -272,12 +269,13 @@ def _construct_job(ctx: RankContext, case: str) -> tuple[str, str]:
 
         model.blocks[0].set_custom_reduce_scatter(Mine())  # type: ignore[index, operator]
     elif case == "per_parameter_mesh":
-        mesh = init_device_mesh("cpu", (1,))
-        # Another process group over the same rank: FSDP2 puts those parameters in a group of their own.
-        other = FSDPMeshInfo(mesh=DeviceMesh.from_group(dist.new_group([0]), "cpu"), shard_mesh_dim=0)
+        # One 2-D mesh: the norms' weights sharded over its second dimension only (plain FSDP),
+        # the rest HSDP, so each block has two parameter groups on the same mesh.
+        mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard"))
+        flat = FSDPMeshInfo(mesh=mesh, shard_mesh_dim=1)
 
         def placement(p: torch.nn.Parameter) -> Any:
-            return ShardPlacementResult(placement=Shard(0), mesh_info=other) if p.dim() == 1 else None
+            return ShardPlacementResult(placement=Shard(0), mesh_info=flat) if p.dim() == 1 else None
 
         for block in model.blocks:  # type: ignore[union-attr]
             fully_shard(block, mesh=mesh, shard_placement_fn=placement)
