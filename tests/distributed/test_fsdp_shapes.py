@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from replicheck.guard import Guard, GuardConfig, current_pass, current_step
-from replicheck.guard.errors import GuardConfigError, GuardError
+from replicheck.guard.errors import GuardConfigError, GuardError, LossContractError
 from replicheck.harness.jobs import full_state, shard
 from replicheck.harness.launch import RankContext, node_names, run_local
 from replicheck.harness.workloads import (
@@ -313,3 +313,27 @@ def test_fsdp2_construction_shapes(case: str, outcome: str, says: str) -> None:
     [(got, msg)] = run_local(_construct_job, node_names(1, 1), args=(case,), timeout=100)
     assert got == outcome, msg
     assert says in msg
+
+
+def _miscounted_job(ctx: RankContext) -> str:
+    """A world-size-1 FSDP2 LossSum step over two micro-batches whose item_count disagrees with
+    the LossSum's count."""
+    torch.set_num_threads(1)
+    model = shard(make_model(TINY, seed=0), 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    cfg = GuardConfig(verify_every=1000, item_count=lambda mb: _tokens(mb) + 1)
+    guard = Guard(model, opt, token_sum_loss, config=cfg)
+    try:
+        for s in range(2):
+            guard.step(*_microbatches(padded_batch(TINY, step=s, rank=0, batch=6), 2))
+    except LossContractError as exc:
+        return str(exc)
+    return "accepted"
+
+
+@pytest.mark.timeout(60)
+def test_item_count_that_disagrees_with_the_loss_sum_is_a_contract_error() -> None:
+    """GuardConfig.item_count must count what the LossSum counts: a step where they differ
+    raises LossContractError instead of training on a wrong normaliser."""
+    [msg] = run_local(_miscounted_job, node_names(1, 1), timeout=50)
+    assert "item_count" in msg and "LossSum.count" in msg, msg

@@ -17,7 +17,7 @@ from replicheck.guard.checks.health import GradStats
 from replicheck.guard.config import GuardConfig, ProbeMode
 from replicheck.guard.context import running
 from replicheck.guard.errors import GuardError, LossContractError
-from replicheck.guard.loss import LossFn
+from replicheck.guard.loss import LossFn, unpack
 from replicheck.guard.parallel.base import Parallelism
 from replicheck.guard.step.failure import StepFailure
 from replicheck.guard.step.replay import (
@@ -135,7 +135,8 @@ class StepPasses:
         for i, mb in enumerate(mbs):
             last = i == len(mbs) - 1
             with self._par.accumulate(sync=last), running(s, "train"):
-                got = self._fail.forward(functools.partial(self._loss_fn, self._model, mb), "training pass")
+                run = functools.partial(self._checked_loss if early else self._loss_fn, self._model, mb)
+                got = self._fail.forward(run, "training pass")
                 if got is None:
                     continue  # this rank failed: no backward (its peers learn it before theirs syncs)
                 loss, count = got
@@ -147,7 +148,6 @@ class StepPasses:
                 # (set_reduction_scale).
                 deferred = count is not None and len(mbs) > 1 and self._par.reduces_every_pass and not early
                 if count is not None and early:
-                    self._check_count(mb, count)
                     w = 1.0
                 elif count is not None:
                     w = 1.0
@@ -196,12 +196,21 @@ class StepPasses:
                 stacklevel=4,
             )
 
-    def _check_count(self, mb: Any, count: float) -> None:
-        if self._config.item_count is not None and float(self._config.item_count(mb)) != count:
+    def _checked_loss(self, model: torch.nn.Module, mb: Any) -> object:
+        """``loss_fn`` whose ``LossSum.count`` must be ``config.item_count(mb)``: raised inside the
+        forward, so every rank learns of it before the backward's collectives."""
+        out = self._loss_fn(model, mb)
+        count = unpack(out)[1]
+        if (
+            count is not None
+            and self._config.item_count is not None
+            and float(self._config.item_count(mb)) != count
+        ):
             raise LossContractError(
                 f"LossSum.count is {count} but config.item_count says {self._config.item_count(mb)} "
                 "for the same micro-batch: they must count the same items"
             )
+        return out
 
     def _note_loss_kind(self, count: float | None) -> None:
         kind = count is not None
