@@ -111,7 +111,8 @@ def test_non_finite_gradient_named_on_the_rank_that_produced_it() -> None:
 def test_hsdp_state_faults_need_a_majority_of_replica_groups(fault: str, check: str, at: int) -> None:
     """An optimizer-update or reduced-gradient fault on rank 1 of an HSDP job is seen by comparing
     the shard across replica groups: with two groups (2×2) it is ambiguous between rank 1 and its
-    replica rank 3; with three groups (3×1) rank 1 is named."""
+    replica rank 3; with three groups (3×2: a (3, 1) mesh runs no reduce-scatter and is refused)
+    rank 1 is named."""
     setup = (
         functools.partial(gf.optimizer_fault, rank=1, at=7)
         if fault == "optimizer"
@@ -121,7 +122,7 @@ def test_hsdp_state_faults_need_a_majority_of_replica_groups(fault: str, check: 
     assert (two["step"], two["check"]) == (at, check)
     assert two["suspect_ranks"] == [] and two["classification"] == "ambiguous"
     assert [c["rank"] for c in two["candidates"]] == [1, 3]
-    three = incident(run(spec("hsdp", steps=12, setup=setup, replicas=3), 3))
+    three = incident(run(spec("hsdp", steps=12, setup=setup, replicas=3), 6))
     assert (three["step"], three["check"]) == (at, check)
     assert three["suspect_ranks"] == [1]
 

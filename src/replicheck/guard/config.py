@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from replicheck.guard.errors import GuardConfigError
 from replicheck.guard.loss import LossReduction
@@ -40,6 +41,14 @@ class GuardConfig:
     """What a plain scalar loss from ``loss_fn`` is over its batch: ``sample_mean`` (mean of
     per-sample losses, so passes are weighted by sample count), ``sum`` (every pass weighs 1),
     or ``unknown`` (never split). Ignored when ``loss_fn`` returns a ``LossSum``."""
+    item_count: Callable[[Any], float] | None = None
+    """``item_count(micro_batch)``: the item count the micro-batch's ``LossSum`` will report,
+    from the batch alone (e.g. its non-padding labels), or ``None``. With FSDP2 and a ``LossSum``
+    over several micro-batches, the rank's normaliser (1 / its step's items) is then known before
+    the first backward, so each micro-batch is reduce-scattered as it ends; without it the
+    division waits for the last forward, and every rank holds the whole model's unsharded
+    gradient until the last backward (FSDP's memory saving lost for the step). A pass whose
+    ``LossSum.count`` differs from it raises ``LossContractError``."""
     start_step: int = 0
     """Index of the first step this guard runs (a resumed job passes ``checkpoint step + 1``)."""
     resume_verified_step: int | None = None
@@ -120,6 +129,8 @@ class GuardConfig:
             raise GuardConfigError(
                 f"loss_reduction must be 'unknown', 'sample_mean' or 'sum', got {self.loss_reduction!r}"
             )
+        if self.item_count is not None and not callable(self.item_count):
+            raise GuardConfigError("item_count must be a callable of a micro-batch, or None")
         if self.probe_size < 1:
             raise GuardConfigError(f"probe_size must be >= 1, got {self.probe_size}")
         if self.start_step < 0:

@@ -127,7 +127,9 @@ class Parallelism(ABC):
     reduces_every_pass: ClassVar[bool] = False
     """Whether each backward reduces its gradient (sharded accumulation) instead of accumulating
     locally until the step's last pass; a ``LossSum`` division over several passes then happens in
-    the reduction (:meth:`set_reduction_scale`)."""
+    the reductions (:meth:`set_reduction_scale`): in each when the step's item count is known
+    before its first pass (``GuardConfig.item_count``), else in the last, the earlier passes held
+    unreduced (:meth:`hold_reduction`)."""
     rebuilds_on_resume: ClassVar[bool] = False
     """Whether a resumed job runs one synced backward first (DDP settles its bucket layout)."""
 

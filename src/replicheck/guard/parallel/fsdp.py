@@ -9,6 +9,7 @@ shard once per replica group: those copies are compared as DDP's replicas are.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
@@ -25,7 +27,13 @@ from replicheck.guard.checks.update import REPLAYABLE, UpdateReplay, replayable
 from replicheck.guard.config import GuardConfig
 from replicheck.guard.errors import GuardConfigError
 from replicheck.guard.parallel.base import ForwardCounter, Parallelism, Replays
-from replicheck.guard.parallel.fsdp_tap import GradTap, collectives_of_forward, gradient_sync
+from replicheck.guard.parallel.fsdp_tap import (
+    ForwardOrder,
+    GradTap,
+    collectives_of_forward,
+    gradient_sync,
+    refuse_untappable,
+)
 from replicheck.guard.parallel.lockstep import LockstepReplays
 from replicheck.guard.transport.comm import Comm
 
@@ -52,8 +60,15 @@ class ShardLayout:
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> ShardLayout:
-        """The layout of ``model``'s device mesh; refuses parameters that are not on one mesh."""
-        meshes = {id(p.device_mesh): p.device_mesh for p in model.parameters() if isinstance(p, DTensor)}
+        """The layout of ``model``'s device mesh; refuses parameters that are not on one mesh
+        and replicated training through FSDP2 (no rank's reduce-scatter would run)."""
+        # Equal meshes are one mesh: fully_shard called per unit without a mesh makes its own.
+        meshes: dict[tuple[object, ...], DeviceMesh] = {}
+        shard_dims: set[tuple[int, ...]] = set()
+        for p in model.parameters():
+            if isinstance(p, DTensor):
+                meshes.setdefault(_mesh_key(p.device_mesh), p.device_mesh)
+                shard_dims.add(tuple(d for d, pl in enumerate(p.placements) if pl.is_shard()))
         if len(meshes) != 1:
             raise GuardConfigError(
                 "every parameter of a fully_shard model must be sharded on one device mesh "
@@ -67,15 +82,35 @@ class ShardLayout:
                 f"the model's device mesh covers {ranks.numel()} of the job's {world} ranks; the guard "
                 "needs the mesh to span the job (tensor or pipeline parallel dimensions are not supported)"
             )
+        if ranks.dim() > 2:
+            raise GuardConfigError(f"a {ranks.dim()}-D device mesh is not supported (FSDP2: 1-D, HSDP: 2-D)")
+        sharded_over = max((math.prod(ranks.shape[d] for d in dims) for dims in shard_dims), default=1)
+        if world > 1 and sharded_over == 1:
+            # FSDP2 skips a reduce-scatter over one rank: the guard would see no rank's gradient.
+            raise GuardConfigError(
+                "the model's parameters are replicated, not sharded (torch's FSDP2-based replicate(), "
+                f"or an HSDP mesh of shape {tuple(ranks.shape)} whose shard dimension has one rank): "
+                "FSDP2 then runs no reduce-scatter, where the guard sees each rank's gradient. Wrap "
+                "the model in DistributedDataParallel for replicated training, or shard over 2 or "
+                "more ranks per replica group"
+            )
         if ranks.dim() == 1:
             return cls(replicas=1, shards=ranks.numel(), same_shard=tuple((int(r),) for r in ranks))
-        if ranks.dim() != 2:
-            raise GuardConfigError(f"a {ranks.dim()}-D device mesh is not supported (FSDP2: 1-D, HSDP: 2-D)")
         return cls(
             replicas=ranks.shape[0],
             shards=ranks.shape[1],
             same_shard=tuple(tuple(int(r) for r in ranks[:, s]) for s in range(ranks.shape[1])),
         )
+
+
+def _mesh_key(mesh: DeviceMesh) -> tuple[object, ...]:
+    """What a device mesh is: its device type, its ranks in their layout, its dimension names."""
+    return (
+        mesh.device_type,
+        tuple(mesh.mesh.shape),
+        tuple(mesh.mesh.flatten().tolist()),
+        mesh.mesh_dim_names,
+    )
 
 
 class Sharded(Parallelism):
@@ -87,10 +122,12 @@ class Sharded(Parallelism):
     reduces_every_pass = True
 
     def __init__(self, model: torch.nn.Module) -> None:
+        refuse_untappable(model)
         self.layout = ShardLayout.of(model)
         super().__init__(model, model, Comm(None))
         self._tap: GradTap | None = None
         self._forwards = ForwardCounter(model)
+        self._order = ForwardOrder(model)
 
     @classmethod
     def claim(cls, model: torch.nn.Module) -> Sharded | None:
@@ -119,11 +156,12 @@ class Sharded(Parallelism):
             self.model,
             digest_reduced=config.check_reduced and self.layout.replicas > 1,
             check_scatter=config.check_reduced and self.layout.replicas == 1 and self.comm.world_size > 1,
+            alone=self.comm.world_size == 1,
         )
         return self._tap
 
     def replays(self, params: Sequence[torch.nn.Parameter]) -> Replays:
-        return LockstepReplays(self.comm, self.tap, self._forwards, self.model, params)
+        return LockstepReplays(self.comm, self.tap, self._forwards, self._order, params)
 
     def hold_reduction(self, hold: bool) -> AbstractContextManager[Any]:
         return gradient_sync(self.model, not hold)
@@ -136,7 +174,7 @@ class Sharded(Parallelism):
 
     def join_failed_forward(self, skipped: bool) -> None:
         if not skipped:
-            collectives_of_forward(self.model)
+            collectives_of_forward(self._order)
 
     def fingerprint_names(self) -> tuple[str, ...] | None:
         # One fingerprint entry per layer group, in the order backward made them.

@@ -9,30 +9,61 @@ on the rank that produced it) and then reduce-scatters as FSDP would; on a probe
 fingerprints the buffer and skips the reduction (every rank is in a probe pass at the same time,
 so every rank skips it). Nothing is kept but one fingerprint per layer group: no second copy of
 any gradient. ``docs/sharded.md`` gives the reasoning.
+
+At world size 1 FSDP2 calls no reduce-scatter (it copies the buffer into the shard): the same
+view is taken in the hook FSDP runs after every reduction, where the shard is then this rank's
+own gradient.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
-from typing import Any, Literal
+import functools
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Literal, cast
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter  # the public setter's type
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 
 from replicheck import fingerprint as fp
 from replicheck.guard.attribution.verdict import Finding
 from replicheck.guard.checks import scatter
 from replicheck.guard.checks.health import GradStats, sq_norm
 from replicheck.guard.checks.scatter import ScatterCheck, supported
+from replicheck.guard.errors import GuardConfigError
 from replicheck.guard.parallel.base import Capture
 
 
 def fsdp_modules(model: torch.nn.Module) -> list[tuple[str, FSDPModule]]:
     """Every ``fully_shard`` unit in ``model`` (the root first), with its name."""
     return [(n or "<root>", m) for n, m in model.named_modules() if isinstance(m, FSDPModule)]
+
+
+def refuse_untappable(model: torch.nn.Module) -> None:
+    """Refuses units whose reduce-scatter slot the guard cannot take over unnoticed: a unit with
+    several parameter groups (per-parameter meshes from ``shard_placement_fn``), where FSDP has
+    no single slot, and a unit whose slot holds the user's own reduce-scatter, which taking the
+    slot would drop. Read from FSDP2's unit state (no public getter exists)."""
+    for name, unit in fsdp_modules(model):
+        groups = list(getattr(unit._get_fsdp_state(), "_fsdp_param_groups", None) or [])
+        if len(groups) > 1:
+            raise GuardConfigError(
+                f"fully_shard unit {name!r} has {len(groups)} parameter groups (per-parameter meshes "
+                "from shard_placement_fn): the guard reads each rank's gradient in the unit's one "
+                "reduce-scatter; shard every parameter of a unit on the same mesh"
+            )
+        for group in groups:
+            comm = getattr(group, "_reduce_scatter_comm", None)
+            if comm is not None and type(comm) not in (DefaultReduceScatter, _UnitReduceScatter):
+                raise GuardConfigError(
+                    f"fully_shard unit {name!r} has a custom reduce-scatter ({type(comm).__name__}, "
+                    "set with set_custom_reduce_scatter or set_symm_mem_for_comm): the guard takes "
+                    "that slot to see each rank's gradient before its reduction and would drop "
+                    "yours; construct the Guard on a model without it"
+                )
 
 
 class _UnitReduceScatter(ReduceScatter):
@@ -68,14 +99,24 @@ class GradTap(GradStats):
     where replica groups hold the same reduced shard) over every reduced shard.
     """
 
-    def __init__(self, model: torch.nn.Module, *, digest_reduced: bool, check_scatter: bool = False) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        digest_reduced: bool,
+        check_scatter: bool = False,
+        alone: bool = False,
+    ) -> None:
         self._mode: TapMode = "train"
+        self._alone = alone
+        """World size 1: no reduce-scatter runs; the hook after each reduction sees the gradient."""
         self.scatter = ScatterCheck() if check_scatter else None
         """Plain FSDP2: every training reduce-scatter checked against the sum of its inputs
         (:mod:`replicheck.guard.checks.scatter`); ``None`` when off or under HSDP (replicas vote)."""
         self.pre_scale = 1.0
         """Factor this rank's gradient is multiplied by before a training reduce-scatter (a
-        ``LossSum`` step's division by its item count, after unreduced accumulation)."""
+        ``LossSum`` step's division by its item count: on every pass when it is known before the
+        first, else on the last pass, after unreduced accumulation)."""
         self._capture: Capture | None = None
         self._captured: list[torch.Tensor] = []
         self.units: list[str] = []
@@ -84,7 +125,7 @@ class GradTap(GradStats):
         super().__init__(digest_reduced)
         for name, unit in fsdp_modules(model):
             unit.set_custom_reduce_scatter(_UnitReduceScatter(self, name))
-            unit.set_all_reduce_hook(self._after_reduce)
+            unit.set_all_reduce_hook(functools.partial(self._after_reduce, name))
 
     def reset(self) -> None:
         """Start a step."""
@@ -146,7 +187,16 @@ class GradTap(GradStats):
         )
         return work
 
-    def _after_reduce(self, reduced: torch.Tensor) -> None:
+    def _after_reduce(self, unit: str, reduced: torch.Tensor) -> None:
+        if self._alone:
+            # No reduce-scatter ran: ``reduced`` is the buffer's copy, this rank's own gradient.
+            if self._mode == "probe" and self._capture is not None:
+                self._captured.append(self._capture(reduced, len(self._captured)))
+                self.units.append(unit)
+                return
+            if self.pre_scale != 1.0:
+                reduced.mul_(self.pre_scale)
+            self._local_sq.append(sq_norm(reduced))
         if self._mode == "probe":
             return
         index, self._index = self._index, self._index + 1
@@ -173,9 +223,46 @@ def gradient_sync(model: torch.nn.Module, sync: bool) -> Iterator[None]:
         model.set_requires_gradient_sync(True)
 
 
-def collectives_of_forward(model: torch.nn.Module) -> None:
+class ForwardOrder:
+    """The ``fully_shard`` units in the order the model's last complete forward entered them
+    (each entry an all-gather), recorded by forward hooks: what a rank that skips a forward
+    replays. Units entered outside the root's forward (recomputation in a backward) are not
+    recorded."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self._units = fsdp_modules(model)
+        self.order: list[FSDPModule] | None = None
+        """The last complete forward's units; ``None`` before the first."""
+        self._current: list[FSDPModule] | None = None
+        model.register_forward_pre_hook(self._root_entered)
+        model.register_forward_hook(self._root_left)
+        for _, unit in self._units:
+            module = cast(torch.nn.Module, unit)  # a fully_shard unit is the module itself
+            if module is not model:
+                module.register_forward_pre_hook(self._entered(unit))
+
+    def _root_entered(self, module: torch.nn.Module, args: object) -> None:
+        self._current = [module] if isinstance(module, FSDPModule) else []
+
+    def _root_left(self, module: torch.nn.Module, args: object, out: object) -> None:
+        if self._current is not None:
+            self.order, self._current = self._current, None
+
+    def _entered(self, unit: FSDPModule) -> Callable[[torch.nn.Module, object], None]:
+        def hook(module: torch.nn.Module, args: object) -> None:
+            if self._current is not None:
+                self._current.append(unit)
+
+        return hook
+
+    def units(self) -> list[FSDPModule]:
+        """The units to replay: the recorded order, else (no forward yet) the modules' order."""
+        return list(self.order) if self.order is not None else [u for _, u in self._units]
+
+
+def collectives_of_forward(order: ForwardOrder) -> None:
     """Take part in a forward's parameter all-gathers without running it (unit by unit, in the
-    order FSDP runs them), for a rank whose loss function failed before it called the model."""
-    for _, unit in fsdp_modules(model):
+    order the forward ran them), for a rank whose loss function failed before it called the model."""
+    for unit in order.units():
         unit.unshard()
         unit.reshard()

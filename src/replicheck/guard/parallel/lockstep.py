@@ -27,7 +27,7 @@ from replicheck.guard.parallel.base import (
     Replays,
     grads_put_back,
 )
-from replicheck.guard.parallel.fsdp_tap import GradTap, collectives_of_forward
+from replicheck.guard.parallel.fsdp_tap import ForwardOrder, GradTap, collectives_of_forward
 from replicheck.guard.transport.batch import batch_size, split
 from replicheck.guard.transport.comm import Comm
 
@@ -42,11 +42,11 @@ class LockstepReplays(Replays):
         comm: Comm,
         tap: GradTap,
         forwards: ForwardCounter,
-        model: torch.nn.Module,
+        order: ForwardOrder,
         params: Sequence[torch.nn.Parameter],
     ) -> None:
         self._comm, self._tap, self._forwards = comm, tap, forwards
-        self._model, self._params = model, list(params)
+        self._order, self._params = order, list(params)
         self._filler: Any = None
         self._passes = 0
         """Passes this rank has taken part in (each shares a flag after its forward)."""
@@ -90,7 +90,7 @@ class LockstepReplays(Replays):
         except Exception as exc:  # noqa: BLE001 - raised below, once every rank knows
             error = exc
             if self._forwards.count == entered:
-                collectives_of_forward(self._model)
+                collectives_of_forward(self._order)
         failed = self._comm.host_flags(error is not None)
         self._passes += 1
         if any(failed):

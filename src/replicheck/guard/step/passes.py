@@ -17,7 +17,7 @@ from replicheck.guard.checks.health import GradStats
 from replicheck.guard.config import GuardConfig, ProbeMode
 from replicheck.guard.context import running
 from replicheck.guard.errors import GuardError, LossContractError
-from replicheck.guard.loss import Count, LossFn, step_counts
+from replicheck.guard.loss import Count, LossFn, step_counts, unpack
 from replicheck.guard.parallel.base import Parallelism
 from replicheck.guard.step.failure import StepFailure
 from replicheck.guard.step.replay import (
@@ -93,6 +93,7 @@ class StepPasses:
         ]
         self._loss_sum: bool | None = None  # whether loss_fn returns a LossSum; None: not seen yet
         self._warned_split = False
+        self._warned_held = False
 
     def _scaled(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss the backward runs on: scaled by the job's loss scaler, when there is one."""
@@ -122,20 +123,33 @@ class StepPasses:
                 if per_pass is None:
                     weights[0] = (sizes[0] - own.payload.size) / total
         scale = 1.0
+        # A LossSum's normaliser known before the first backward (config.item_count): every
+        # pass is then reduced as it ends, already divided (no unreduced accumulation).
+        known = self._known_items(mbs, parts) if self._loss_sum else None
+        early = known is not None and len(mbs) > 1 and self._par.reduces_every_pass
+        if self._loss_sum and known is None and len(mbs) > 1 and self._par.reduces_every_pass:
+            self._warn_held()
+        if early and known:
+            scale = 1.0 / known
+            self._par.set_reduction_scale(scale)
         for i, mb in enumerate(mbs):
             last = i == len(mbs) - 1
             with self._par.accumulate(sync=last), running(s, "train"):
-                got = self._fail.forward(functools.partial(self._loss_fn, self._model, mb), "training pass")
+                run = functools.partial(self._checked_loss if early else self._loss_fn, self._model, mb)
+                got = self._fail.forward(run, "training pass")
                 if got is None:
                     continue  # this rank failed: no backward (its peers learn it before theirs syncs)
                 loss, count = got
                 self._note_loss_kind(count)
                 w = weights[i]
                 # Where each pass's gradient is reduced across ranks, a LossSum's division by this
-                # rank's item count cannot wait until after earlier passes: they accumulate
-                # unreduced and the last reduction divides (set_reduction_scale).
-                deferred = count is not None and len(mbs) > 1 and self._par.reduces_every_pass
-                if count is not None:
+                # rank's item count cannot wait until after earlier passes: unless it was known
+                # before them, they accumulate unreduced and the last reduction divides
+                # (set_reduction_scale).
+                deferred = count is not None and len(mbs) > 1 and self._par.reduces_every_pass and not early
+                if count is not None and early:
+                    w = 1.0
+                elif count is not None:
                     w = 1.0
                     if last:
                         # Every pass's count read now, together (one transfer for tensor counts);
@@ -166,6 +180,40 @@ class StepPasses:
         if self._health.errors:
             self._fail.note(self._health.errors[0])
         return Backward(loss=step_loss, passes=passes)
+
+    def _known_items(
+        self, mbs: Sequence[Any], parts: Sequence[tuple[float, torch.Tensor, Count | None]]
+    ) -> float | None:
+        """The step's item count from ``config.item_count`` before any forward, else ``None``."""
+        if self._config.item_count is None:
+            return None
+        before = sum(step_counts([c for _, _, c in parts if c is not None]))
+        return before + sum(float(self._config.item_count(mb)) for mb in mbs)
+
+    def _warn_held(self) -> None:
+        if not self._warned_held:
+            self._warned_held = True
+            warnings.warn(
+                f"{self._par.kind} with a LossSum over several micro-batches: each rank holds its "
+                "whole unsharded gradient until the last micro-batch, as the division by the step's "
+                "item count is known only then; pass GuardConfig(item_count=...) (the count from "
+                "a micro-batch alone) to reduce-scatter every micro-batch",
+                stacklevel=4,
+            )
+
+    def _checked_loss(self, model: torch.nn.Module, mb: Any) -> object:
+        """``loss_fn`` whose ``LossSum.count`` must be ``config.item_count(mb)``: raised inside the
+        forward, so every rank learns of it before the backward's collectives."""
+        out = self._loss_fn(model, mb)
+        count = unpack(out)[1]
+        expected = None if self._config.item_count is None else float(self._config.item_count(mb))
+        # A device-tensor count is read here: the check must run before the backward's collectives.
+        if count is not None and expected is not None and step_counts([count])[0] != expected:
+            raise LossContractError(
+                f"LossSum.count is {float(count)} but config.item_count says {expected} "
+                "for the same micro-batch: they must count the same items"
+            )
+        return out
 
     def _note_loss_kind(self, count: Count | None) -> None:
         kind = count is not None
