@@ -36,6 +36,6 @@ def test_one_transfer_per_ordinary_step_and_a_fixed_few_on_verification_steps() 
                         "step row": 1,
                         "probe result": 2,
                         "exchange lengths": 1,
-                        "probe batch": 1,
+                        "received message": 1,
                     }, where
             assert replicas == {"total": 1, "step row": 1}, (layers, rank)
