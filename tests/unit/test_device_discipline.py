@@ -248,3 +248,43 @@ def test_the_digest_of_a_view_equals_the_digest_of_its_clone(dtype: torch.dtype,
         assert view.storage_offset() == offset
         assert fp.tensor_digest(view) == fp.tensor_digest(view.clone()), (dtype, offset, n)
         assert torch.equal(fp.digests([view]), fp.digests([view.clone()]))
+
+
+# -- finding 8: probe passes run and are seeded on the compute device ------------------------
+
+
+class _Offloaded(SingleProcess):
+    """A parallelism whose compute device (a stand-in name) is not where its parameters are."""
+
+    @property
+    def device(self) -> torch.device:
+        return CUDA
+
+
+def test_replays_use_the_parallelisms_compute_device_not_the_parameters() -> None:
+    """Replays move their batch to, and seed, the parallelism's compute device (under FSDP2's
+    CPU offload the GPU, while the parameters are on the host)."""
+    model = _model()
+    par = _Offloaded(model)
+    rc = replay_mod.Recompute(
+        par, _loss, list(model.parameters()), replay_mod.Fingerprinter("exact", 4), deterministic_kernels=False
+    )
+    assert rc._device == CUDA
+    assert CUDA in rc._devices
+
+
+def test_seeding_forks_and_seeds_the_compute_devices_generator() -> None:
+    """``seeded(seed, cuda:3)`` forks the CPU's generator and that of cuda:3 (a recording stand-in
+    for torch's fork_rng: no CUDA here), so a probe's GPU dropout is seeded and the main GPU
+    stream is restored."""
+    forked: list[tuple[list[int], str]] = []
+
+    @contextlib.contextmanager
+    def fake_fork(devices: Any = None, device_type: str = "cuda", **_: Any) -> Iterator[None]:
+        forked.append((list(devices or []), device_type))
+        yield
+
+    with mock.patch.object(torch.random, "fork_rng", fake_fork), mock.patch.object(torch, "manual_seed"):
+        with replay_mod.seeded(5, CUDA):
+            pass
+    assert ([3], "cuda") in forked and ([], "cuda") in forked
