@@ -267,7 +267,11 @@ def test_replays_use_the_parallelisms_compute_device_not_the_parameters() -> Non
     model = _model()
     par = _Offloaded(model)
     rc = replay_mod.Recompute(
-        par, _loss, list(model.parameters()), replay_mod.Fingerprinter("exact", 4), deterministic_kernels=False
+        par,
+        _loss,
+        list(model.parameters()),
+        replay_mod.Fingerprinter("exact", 4),
+        deterministic_kernels=False,
     )
     assert rc._device == CUDA
     assert CUDA in rc._devices

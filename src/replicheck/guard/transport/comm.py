@@ -15,7 +15,7 @@ computes with a decoded tensor moves it to the compute device itself.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -202,7 +202,7 @@ class Comm:
         out = [torch.empty_like(padded) for _ in range(self.world_size)]
         dist.all_gather(out, padded, group=self.group)
         self._keep(length, *lengths, padded, *out)
-        return [self._received(t[:n]) for t, n in zip(out, sizes)]
+        return [cast(T, self._received(t[:n])) for t, n in zip(out, sizes)]
 
     def exchange(self, sends: Sequence[tuple[int, object]], recv_from: Sequence[int]) -> dict[int, object]:
         """Send each ``(dest, obj)`` and receive one object from every rank in ``recv_from``.
