@@ -72,7 +72,11 @@ def words(t: torch.Tensor) -> torch.Tensor:
     size = flat.element_size()
     ints = flat.view(_INT_OF_SIZE[size]) if flat.dtype.is_floating_point or size != 8 else flat
     per_word = 8 // ints.element_size()
-    if per_word > 1 and ints.numel() % per_word == 0 and ints.storage_offset() % per_word == 0:
+    if per_word > 1 and ints.numel() % per_word == 0:
+        # The words depend on the values only: a view that starts inside a word is copied first
+        # (viewing it as int64 needs a word-aligned start), so it digests as its clone does.
+        if ints.storage_offset() % per_word:
+            ints = ints.clone()
         return ints.view(torch.int64)
     return ints
 

@@ -28,14 +28,13 @@ def test_one_transfer_per_ordinary_step_and_a_fixed_few_on_verification_steps() 
                     assert c == {"total": 1, "step row": 1}, where
                 else:
                     # The row, this rank's own probe result and its replay of its source's probe;
-                    # the exchange's lengths; the received payload's header read back (its tensors
-                    # stay where they arrived, and the sent one is packed on its device): none
-                    # depends on the model.
+                    # the exchange's lengths; the received message read back to the host once
+                    # (decoded there): none depends on the model.
                     assert c == {
                         "total": 5,
                         "step row": 1,
                         "probe result": 2,
                         "exchange lengths": 1,
-                        "probe batch": 1,
+                        "received message": 1,
                     }, where
             assert replicas == {"total": 1, "step row": 1}, (layers, rank)

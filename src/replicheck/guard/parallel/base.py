@@ -10,9 +10,11 @@ imports this module and no specific parallelism; the kinds register here (:func:
 :func:`detect` picks the one that claims a model. Adding a parallelism means one subclass, its
 registration in :mod:`replicheck.guard.parallel`, and its tests.
 
-Device discipline: :attr:`Parallelism.device` is the compute device (where the rank's parameters,
-gradients and probe passes live); ``comm.device`` is the communication device (where collectives
-move tensors: the GPU under NCCL, the host under gloo). The two may differ, and every value that
+Device discipline: :attr:`Parallelism.device` is the compute device (where the rank's probe
+passes, gradients and fingerprints are computed; under FSDP2's CPU offload not where its
+parameters are stored); ``comm.device`` is the communication device (where collectives move
+tensors), derived from the compute device and the group's backend for its type
+(:func:`~replicheck.guard.transport.comm.comm_device`). The two may differ, and every value that
 crosses ranks is moved between them explicitly (see ``docs/architecture.md``).
 """
 
@@ -31,7 +33,7 @@ from replicheck import fingerprint as fp
 from replicheck.guard.checks.health import GradStats
 from replicheck.guard.config import GuardConfig
 from replicheck.guard.errors import GuardConfigError
-from replicheck.guard.transport.comm import Comm
+from replicheck.guard.transport.comm import Comm, default_compute
 
 if TYPE_CHECKING:
     from replicheck.guard.attribution.ring import Ring
@@ -142,6 +144,11 @@ class Parallelism(ABC):
         """Collectives of the guarded job's process group (the guard's own messages)."""
 
     # -- what the job is ------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        """The compute device: where this rank's passes run and its gradients are made."""
+        return module_device(self.module)
+
     def named_params(self) -> list[tuple[str, torch.nn.Parameter]]:
         """The trainable parameters the guard checks."""
         named = fp.named_weights(self.module, "trainable")
@@ -219,6 +226,15 @@ class Parallelism(ABC):
     ) -> UpdateCheck | None:
         """The check of each rank's optimizer update where no replica holds the same state."""
         return None
+
+
+def module_device(module: torch.nn.Module) -> torch.device:
+    """Where ``module`` computes: the device of its first parameter (its local part, when
+    sharded), else of its first buffer, else the current accelerator or the host."""
+    for t in (*module.parameters(), *module.buffers()):
+        local = t.to_local() if hasattr(t, "to_local") else t
+        return torch.device(local.device)
+    return default_compute()
 
 
 Claim = Callable[[torch.nn.Module], "Parallelism | None"]

@@ -14,7 +14,7 @@ from replicheck.guard.checks.health import GradStats
 from replicheck.guard.config import GuardConfig
 from replicheck.guard.errors import GuardConfigError
 from replicheck.guard.parallel.alone import AloneReplays
-from replicheck.guard.parallel.base import ForwardCounter, Parallelism, Replays
+from replicheck.guard.parallel.base import ForwardCounter, Parallelism, Replays, module_device
 from replicheck.guard.parallel.ddp_hook import BucketCount, GradHealth, finish_reductions
 from replicheck.guard.transport.comm import Comm
 
@@ -27,7 +27,7 @@ class DataParallel(Parallelism):
 
     def __init__(self, ddp: DistributedDataParallel) -> None:
         _refuse_options(ddp)
-        super().__init__(ddp, ddp.module, Comm(ddp.process_group))
+        super().__init__(ddp, ddp.module, Comm(ddp.process_group, compute=module_device(ddp.module)))
         self.ddp = ddp
         self._buckets = BucketCount()
         self._hooked = False

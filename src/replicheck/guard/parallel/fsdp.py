@@ -113,6 +113,23 @@ def _mesh_key(mesh: DeviceMesh) -> tuple[object, ...]:
     )
 
 
+def compute_device(model: torch.nn.Module) -> torch.device:
+    """The device FSDP2 computes ``model`` on: its parameter groups' device (what FSDP
+    all-gathers into, also under ``CPUOffloadPolicy``), else its mesh's device type with that
+    type's current index, as ``fully_shard`` chooses it."""
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            state = m._get_fsdp_state()
+            for group in getattr(state, "_fsdp_param_groups", ()):
+                device = getattr(group, "device", None)
+                if isinstance(device, torch.device):
+                    return device
+    mesh = next(p.device_mesh for p in model.parameters() if isinstance(p, DTensor))
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(mesh.device_type, getattr(torch, mesh.device_type).current_device())
+
+
 class Sharded(Parallelism):
     """A model sharded with ``fully_shard``: plain FSDP2 on a 1-D mesh, HSDP on a 2-D one."""
 
@@ -124,7 +141,8 @@ class Sharded(Parallelism):
     def __init__(self, model: torch.nn.Module) -> None:
         refuse_untappable(model)
         self.layout = ShardLayout.of(model)
-        super().__init__(model, model, Comm(None))
+        self._device = compute_device(model)
+        super().__init__(model, model, Comm(None, compute=self._device))
         self._tap: GradTap | None = None
         self._forwards = ForwardCounter(model)
         self._order = ForwardOrder(model)
@@ -132,6 +150,12 @@ class Sharded(Parallelism):
     @classmethod
     def claim(cls, model: torch.nn.Module) -> Sharded | None:
         return cls(model) if isinstance(model, FSDPModule) else None
+
+    @property
+    def device(self) -> torch.device:
+        """FSDP's compute device (under ``CPUOffloadPolicy`` the parameters are stored on the
+        host but every forward and backward runs here)."""
+        return self._device
 
     def local(self, t: torch.Tensor) -> torch.Tensor:
         return shards.local(t)

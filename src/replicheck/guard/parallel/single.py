@@ -10,7 +10,7 @@ from replicheck import fingerprint as fp
 from replicheck.guard.checks.health import GradStats, sq_norm
 from replicheck.guard.config import GuardConfig
 from replicheck.guard.parallel.alone import AloneReplays
-from replicheck.guard.parallel.base import Parallelism, Replays
+from replicheck.guard.parallel.base import Parallelism, Replays, module_device
 from replicheck.guard.transport.comm import Comm
 
 
@@ -33,7 +33,7 @@ class SingleProcess(Parallelism):
     kind = "single"
 
     def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__(model, model, Comm(None))
+        super().__init__(model, model, Comm(None, compute=module_device(model)))
 
     @classmethod
     def claim(cls, model: torch.nn.Module) -> SingleProcess | None:

@@ -101,7 +101,7 @@ class Guard:
         self._par = par
         named = par.named_params()
         self._params = [p for _, p in named]
-        self._device = par.local(self._params[0]).device
+        self._device = par.device
         prepare_cublas(self._device, cfg.use_deterministic)
 
         identity, job_id = _identity(node, cfg.job_id)
@@ -334,7 +334,7 @@ class Guard:
         settles what the first backward decides (DDP: its bucket layout, so the reduction order)."""
         self._needs_rebuild = False
         with (
-            forked_rng(p.device for p in self._params),
+            forked_rng([self._device, *(p.device for p in self._params)]),
             running(self._next_step, "rebuild"),
             buffers_restored(self._par.module),
         ):

@@ -262,7 +262,7 @@ class StepPasses:
             with (
                 self._par.accumulate(sync=False),
                 running(s, "probe"),
-                seeded(seed, self._params[0].device),
+                seeded(seed, self._par.device),
                 deterministic(cfg.use_deterministic, cfg.probe_attention),
             ):
                 got = self._fail.forward(lambda: self._loss_fn(self._model, probe_batch), "probe")

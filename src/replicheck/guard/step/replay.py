@@ -115,9 +115,9 @@ class Recompute:
     ) -> None:
         self._module = parallelism.module
         self._loss_fn = loss_fn
-        self._device = parallelism.local(params[0]).device
-        """Where the module's parameters (this rank's part of them) live: passes run there."""
-        self._devices = tuple(dict.fromkeys(p.device for p in params))
+        self._device = parallelism.device
+        """The compute device: passes run there (under CPU offload not where parameters are stored)."""
+        self._devices = tuple(dict.fromkeys([self._device, *(p.device for p in params)]))
         self._fingerprinter = fingerprinter
         self._deterministic = deterministic_kernels
         self._attention: ProbeAttention = attention
@@ -129,8 +129,7 @@ class Recompute:
         self._replays.begin_step(batch, probe_size)
 
     def _run(self, batch: Any) -> Callable[[], object]:
-        # A batch received from another rank arrives on the communication device: run it where
-        # the module lives.
+        # A batch received from another rank is decoded on the host: run it on the compute device.
         return functools.partial(self._loss_fn, self._module, to_device(batch, self._device))
 
     def probe(

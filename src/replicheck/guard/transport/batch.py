@@ -187,18 +187,25 @@ def pack(obj: Any) -> torch.Tensor:
 
 
 def unpack(data: torch.Tensor) -> Any:
-    """The object :func:`pack` serialised; its tensors are views of ``data`` (on its device)."""
-    head = to_host(data[: min(data.numel(), 1 << 16)], "probe batch")
-    n = int(head[:8].view(torch.int64)) if head.numel() >= 8 else -1
-    if n < 0 or 8 + n > data.numel():
-        raise BatchError(f"a packed message of {data.numel()} bytes is truncated (header of {n})")
-    if 8 + n > head.numel():
-        head = torch.cat([head, to_host(data[head.numel() : 8 + n], "probe batch")])
+    """The object :func:`pack` serialised, decoded on the host.
+
+    The rule for every received message: ``data`` (on the communication device) crosses to the
+    host in one counted transfer (``"received message"``), and each tensor of the object is a
+    host tensor with its own allocation (a clone, storage offset 0: not a view into ``data``, so
+    its alignment and lifetime are those of a tensor made here). Code that computes with a
+    decoded tensor moves it to its compute device (:func:`to_device`).
+    """
+    host = to_host(data, "received message")
+    n = int(host[:8].view(torch.int64)) if host.numel() >= 8 else -1
+    if n < 0 or 8 + n > host.numel():
+        raise BatchError(f"a packed message of {host.numel()} bytes is truncated (header of {n})")
     # weights_only: a message holds numbers, strings, containers and tensor places only.
-    skeleton, layout = torch.load(io.BytesIO(head[8 : 8 + n].numpy().tobytes()), weights_only=True)
+    skeleton, layout = torch.load(io.BytesIO(host[8 : 8 + n].numpy().tobytes()), weights_only=True)
     base = 8 + n + (-(8 + n) % _ALIGN)
     tensors = []
     for dtype, shape, offset, nbytes in layout:
-        raw = data[base + offset : base + offset + nbytes]
-        tensors.append(raw.view(getattr(torch, dtype)).view(shape))
+        if base + offset + nbytes > host.numel():
+            raise BatchError(f"a packed message of {host.numel()} bytes is truncated (its tensors)")
+        raw = host[base + offset : base + offset + nbytes]
+        tensors.append(raw.view(getattr(torch, dtype)).view(shape).clone())
     return _from_wire(skeleton, tensors)

@@ -2,12 +2,20 @@
 
 Every tensor given to a collective is held in :data:`~replicheck.guard.transport.inflight.IN_FLIGHT` until
 the backend has released it (see that module: an abort at interpreter exit otherwise).
+
+Devices: the communication device (:attr:`Comm.device`) is where collectives move tensors. It
+follows the model's compute device and the group's backend *for that device type*
+(:func:`comm_device`): the compute device when the group has a device backend for it (NCCL for
+CUDA, also under ``"cpu:gloo,cuda:nccl"`` or a default ``init_process_group()``), else the host.
+Every received message is decoded on the host (:func:`~replicheck.guard.transport.batch.unpack`:
+one counted device→host transfer per message, each tensor its own allocation); the code that
+computes with a decoded tensor moves it to the compute device itself.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -19,20 +27,84 @@ from replicheck.guard.transport.transfer import to_host
 
 T = TypeVar("T")
 
+_HOST_BACKENDS = frozenset({"gloo", "mpi"})
+"""Backends that move device tensors through the host (a device tensor given to them is staged):
+a guard message is then built on the host to begin with."""
+
+
+def device_backends(config: str) -> dict[str, str]:
+    """Device type → backend of a group, from its backend configuration string.
+
+    ``config`` is what ``torch.distributed.get_backend_config(group)`` returns
+    (``"cpu:gloo,cuda:nccl"``), or a backend name as given to ``init_process_group``
+    (``"nccl"``, ``"gloo"``; ``"undefined"`` or ``""``: torch's default backend of each device
+    type).
+    """
+    text = config.strip().lower()
+    if ":" in text:
+        out: dict[str, str] = {}
+        for pair in text.split(","):
+            device, sep, backend = pair.strip().partition(":")
+            if not sep or not device or not backend or device in out:
+                raise CommError(f"cannot read the process group's backend configuration {config!r}")
+            out[device] = backend
+        return out
+    if text in ("", "undefined"):
+        return dict(dist.Backend.default_device_backend_map)
+    capability: dict[str, list[str]] = getattr(dist.Backend, "backend_capability", {})
+    return dict.fromkeys(capability.get(text, ["cpu", "cuda"]), text)
+
+
+def comm_device(config: str, compute: torch.device) -> torch.device:
+    """The communication device of a group with backend configuration ``config`` for a model
+    computing on ``compute``: ``compute`` itself when the group has a device backend for its type
+    (``cuda:nccl``), else the host. Raises :class:`CommError` when the group moves neither."""
+    backends = device_backends(config)
+    if compute.type not in ("cpu", "meta"):
+        backend = backends.get(compute.type)
+        if backend is not None and backend not in _HOST_BACKENDS:
+            return compute
+    if "cpu" in backends:
+        return torch.device("cpu")
+    raise CommError(
+        f"the process group's backend ({config!r}) moves neither {compute.type} tensors nor host "
+        f"tensors; for a model on {compute} initialise it with a backend for {compute.type} "
+        "(e.g. init_process_group('cpu:gloo,cuda:nccl'))"
+    )
+
+
+def default_compute() -> torch.device:
+    """The compute device assumed when none is given: the current accelerator, else the host."""
+    acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    if acc is None:
+        return torch.device("cpu")
+    return torch.device(acc.type, torch.accelerator.current_device_index())
+
 
 class Comm:
-    """Collectives of one process group; world size 1 short-circuits every call."""
+    """Collectives of one process group; world size 1 short-circuits every call but
+    :meth:`exchange` (see there)."""
 
-    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        *,
+        device: torch.device | None = None,
+        compute: torch.device | None = None,
+    ) -> None:
+        """``device``: the communication device, when the caller decides it (tests inject one);
+        otherwise it follows ``compute``, the model's compute device (default: the current
+        accelerator, else the host), and the group's backend for that device type
+        (:func:`comm_device`)."""
         self.distributed = dist.is_available() and dist.is_initialized()
         self.group = group
         self.rank = dist.get_rank(group) if self.distributed else 0
         self.world_size = dist.get_world_size(group) if self.distributed else 1
-        backend = dist.get_backend(group) if self.distributed else "none"
-        # NCCL moves only device tensors; gloo only CPU ones.
-        self.device = (
-            torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-        )
+        if device is None:
+            where = compute if compute is not None else default_compute()
+            device = comm_device(dist.get_backend_config(group), where) if self.distributed else where
+        self.device = torch.device(device)
+        """Where collectives move tensors (module docstring)."""
         self._host_group: dist.ProcessGroup | None = None
         self._p2p_ready = False
 
@@ -130,7 +202,7 @@ class Comm:
         out = [torch.empty_like(padded) for _ in range(self.world_size)]
         dist.all_gather(out, padded, group=self.group)
         self._keep(length, *lengths, padded, *out)
-        return [unpack(t[:n]) for t, n in zip(out, sizes)]
+        return [cast(T, self._received(t[:n])) for t, n in zip(out, sizes)]
 
     def exchange(self, sends: Sequence[tuple[int, object]], recv_from: Sequence[int]) -> dict[int, object]:
         """Send each ``(dest, obj)`` and receive one object from every rank in ``recv_from``.
@@ -140,10 +212,17 @@ class Comm:
         ``batch_isend_irecv`` each, so no pattern of pairs (a ring included) can deadlock on the
         order in which ranks post their sends and receives, which separate ``isend``/``irecv``
         calls can under NCCL. At most one message per pair and direction.
+
+        Received objects are decoded on the host (:meth:`_received`). At world size 1 (a rank
+        that is its own verifier) each message still takes the whole path, packed, moved to the
+        communication device and decoded from there, so a one-process job over NCCL runs what a
+        multi-rank one does: the receiver never sees the sender's Python objects.
         """
         _check_pattern(self.rank, self.world_size, [dst for dst, _ in sends], list(recv_from))
         if self.world_size == 1:
-            return {src: obj for (_, obj), src in zip(sends, recv_from)}
+            # A loopback of the message path (no collective: one process has no peer).
+            looped = [pack(obj).to(self.device) for _, obj in sends]
+            return {src: self._received(data) for data, src in zip(looped, recv_from)}
         self._ensure_p2p_ready()
         payloads = [(dst, pack(obj).to(self.device)) for dst, obj in sends]
         lengths_out = [
@@ -159,7 +238,12 @@ class Comm:
             for (src, _), n in zip(lengths_in, sizes)
         ]
         self._grouped(payloads, data_in)
-        return {src: unpack(t) for src, t in data_in}
+        return {src: self._received(t) for src, t in data_in}
+
+    def _received(self, data: torch.Tensor) -> object:
+        """A received message (on the communication device) decoded on the host: one counted
+        device→host transfer, each tensor in its own allocation."""
+        return unpack(data)
 
     def _ensure_p2p_ready(self) -> None:
         """One collective over the group before its first point-to-point batch.
@@ -169,7 +253,6 @@ class Comm:
         :meth:`exchange` at the same points, so this runs on every rank alike.
         """
         if not self._p2p_ready:
-            # A device all-reduce: no host transfer, nothing to wait for here.
             # A device all-reduce: no host transfer, nothing to wait for here.
             ready = torch.zeros(1, dtype=torch.int64, device=self.device)
             dist.all_reduce(ready, group=self.group)

@@ -31,6 +31,10 @@ class WireFormatError(GuardError):
     """A message received from another rank does not have the expected shape."""
 
 
+class PlacementError(GuardError):
+    """A tensor is not on the device the guard's device rule puts it (an internal error)."""
+
+
 def float_bits(x: float) -> int:
     """The bits of a float64 as a signed 64-bit integer (so it rides in an int64 row)."""
     bits: int = struct.unpack("<q", struct.pack("<d", x))[0]
@@ -51,7 +55,15 @@ class ProbeResult:
     """The probe's loss (unweighted mean over the probe)."""
     fingerprint: torch.Tensor
     """int64 digests, one per parameter (exact mode), or float64 sketches, rows of blocks of
-    parameters (tolerant mode)."""
+    parameters (tolerant mode). Always on the host: a local result is brought there once
+    (:func:`~replicheck.guard.transport.transfer.host_result`), a received one is decoded there,
+    so a comparison never mixes devices."""
+
+    def __post_init__(self) -> None:
+        if self.fingerprint.device.type != "cpu":
+            raise PlacementError(
+                f"a probe result's fingerprint must be on the host, got one on {self.fingerprint.device}"
+            )
 
 
 @dataclass(frozen=True)

@@ -81,7 +81,10 @@ _ALIGN = 16
 def host_result(loss: torch.Tensor, fingerprint: torch.Tensor) -> ProbeResult:
     """A probe's loss and fingerprint brought to the host together: one counted transfer."""
     value = loss.detach().reshape(()).to(torch.float64)
-    if fingerprint.device != value.device:  # a fingerprint already on the host
-        return ProbeResult(loss=float(to_host(value, "probe loss")), fingerprint=fingerprint)
-    host_loss, host_fp = to_host_all([value, fingerprint], "probe result")
+    if fingerprint.device == value.device:
+        host_loss, host_fp = to_host_all([value, fingerprint], "probe result")
+    elif fingerprint.device.type == "cpu":  # a fingerprint already on the host
+        host_loss, host_fp = to_host(value, "probe loss"), fingerprint
+    else:  # a loss already on the host
+        host_loss, host_fp = value, to_host(fingerprint, "probe fingerprint")
     return ProbeResult(loss=float(host_loss), fingerprint=host_fp)
