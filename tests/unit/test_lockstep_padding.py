@@ -21,7 +21,7 @@ class _Comm:
 
 
 def _replays(most: int) -> LockstepReplays:
-    return LockstepReplays(_Comm(most), tap=None, forwards=None, model=None, params=[])  # type: ignore[arg-type]
+    return LockstepReplays(_Comm(most), tap=None, forwards=None, order=None, params=[])  # type: ignore[arg-type]
 
 
 def test_an_error_between_passes_pads_the_passes_owed_then_raises() -> None:
