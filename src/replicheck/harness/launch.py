@@ -4,12 +4,19 @@ The parent hosts the rendezvous store on a free port (port 0), each child joins 
 and gets its node name explicitly, which is how several nodes are simulated on one machine.
 Every child's return value (or its error, as text) comes back; a job that does not finish in
 ``timeout`` seconds is killed, since a collective bug shows as a hang.
+
+Children are forked from a forkserver that has torch and the guarded job imported once: a
+spawned child spends seconds importing them, more than most test jobs spend training, and
+several ranks importing at once on a small machine multiply it. The server forks before any
+torch thread pool or process group exists, so each child starts as clean as a spawned one;
+the parent's environment at launch is handed to each child, since the server's is older.
 """
 
 from __future__ import annotations
 
 import io
 import multiprocessing as mp
+import os
 import queue
 import subprocess
 import time
@@ -43,6 +50,19 @@ def node_names(nodes: int, per_node: int) -> list[str]:
     return [f"node{r // per_node}" for r in range(nodes * per_node)]
 
 
+# Imported once in the forkserver, inherited by every child it forks.
+_PRELOAD = ["torch", "torch.distributed", "replicheck.harness.jobs"]
+
+
+def _context() -> Any:
+    """The forkserver context where the platform has one (Linux, macOS), else spawn."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
 def _child(
     fn: Callable[..., Any],
     ctx: RankContext,
@@ -50,8 +70,12 @@ def _child(
     args: tuple[Any, ...],
     out: Any,
     threads: int,
+    environ: dict[str, str],
     group_timeout: float = 120.0,
 ) -> None:
+    # The forkserver's environment is the one of its start; a rank sees the launcher's now.
+    os.environ.clear()
+    os.environ.update(environ)
     import torch
     import torch.distributed as dist
 
@@ -91,7 +115,8 @@ def run_local(
 ) -> list[Any]:
     """Run ``fn(ctx, *args)`` on ``len(nodes)`` ranks; return their results in rank order.
 
-    ``fn`` must be importable by name (a module-level function): children are spawned.
+    ``fn`` must be importable by name (a module-level function): children are forked from a
+    forkserver (spawned where there is none).
     ``group_timeout`` is the process group's timeout in seconds (how long a collective waits).
     """
     import torch.distributed as dist
@@ -100,13 +125,16 @@ def run_local(
     if world < 1:
         raise LaunchError("need at least one rank")
     store = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True, wait_for_workers=False)
-    mpctx = mp.get_context("spawn")
+    mpctx = _context()
+    environ = dict(os.environ)
     out = mpctx.Queue()
     procs = []
     for rank in range(world):
         ctx = RankContext(rank=rank, world_size=world, node=nodes[rank], nodes=tuple(nodes))
         p = mpctx.Process(
-            target=_child, args=(fn, ctx, store.port, args, out, threads_per_rank, group_timeout), daemon=True
+            target=_child,
+            args=(fn, ctx, store.port, args, out, threads_per_rank, environ, group_timeout),
+            daemon=True,
         )
         p.start()
         procs.append(p)
