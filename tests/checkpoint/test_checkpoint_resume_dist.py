@@ -29,7 +29,6 @@ GUARD = GuardConfig(verify_every=10, weights_every=10)
 # Bad hardware on rank 1 from step 23, through the public injector.
 FAULT = functools.partial(
     install_for_campaign,
-    noise=None,
     fault=Fault.at_forward("blocks.0.ffn").persistent(from_step=23).scale(2.0).on_rank(1),
 )
 

@@ -24,7 +24,6 @@ MODEL = DecoderConfig(vocab=64, d_model=32, n_layers=2, n_heads=2, seq_len=16)
 GUARD = GuardConfig(verify_every=5, weights_every=5)
 FAULT = functools.partial(
     install_for_campaign,
-    noise=None,
     fault=Fault.at_forward("blocks.0.ffn").persistent(from_step=12).scale(2.0).on_rank(1),
 )
 

@@ -1,4 +1,5 @@
-"""Tolerant mode under bf16 autocast with simulated kernel noise on every rank and pass."""
+"""Tolerant mode under bf16 autocast with simulated kernel noise on every rank and pass, with the
+sketch block, floor and ceiling the guard chooses for bf16 (none set)."""
 
 from __future__ import annotations
 
@@ -8,15 +9,14 @@ import functools
 import pytest
 
 from replicheck.campaign.runner import install_for_campaign
-from replicheck.campaign.scenarios import BF16_BLOCK, BF16_CEILING, BF16_FLOOR, campaign_model
+from replicheck.campaign.scenarios import campaign_model, norm_noise
 from replicheck.campaign.soak import SoakConfig, bf16_soak, run_soak
 from replicheck.faults.injector import Fault
-from replicheck.faults.noise import KernelNoise
 from replicheck.guard import GuardConfig
 from replicheck.harness.jobs import JobResult, JobSpec, train
 from replicheck.harness.launch import node_names, run_local
 
-NOISE = KernelNoise(module="norm", rel=1e-6, seed=1)
+NOISE = norm_noise()
 WGRAD = "blocks.0.ffn.down.weight"
 
 
@@ -26,14 +26,7 @@ def _run(steps: int, verify_every: int, fault: Fault | None) -> list[JobResult]:
         batch=4,
         steps=steps,
         loss="lm_bf16",
-        guard=GuardConfig(
-            verify_every=verify_every,
-            weights_every=verify_every,
-            mode="tolerant",
-            tolerance_floor=BF16_FLOOR,
-            tolerance_ceiling=BF16_CEILING,
-            sketch_block=BF16_BLOCK,
-        ),
+        guard=GuardConfig(verify_every=verify_every, weights_every=verify_every, mode="tolerant"),
         setup=functools.partial(install_for_campaign, fault=fault, noise=NOISE),
     )
     return run_local(train, node_names(3, 1), args=(spec,), timeout=240)
@@ -72,7 +65,7 @@ def test_bf16_sparse_backward_only_fault_caught_by_the_per_block_sketch() -> Non
 @pytest.mark.slow
 @pytest.mark.timeout(3 * 3600)
 def test_bf16_soak_no_false_alarm_in_10000_pairs() -> None:
-    """10,000 clean verification pairs under bf16 autocast and kernel noise: no false alarm."""
+    """10,000 clean verification pairs under bf16 autocast and every noise shape: no false alarm."""
     result = run_soak(bf16_soak(SoakConfig(pairs=10_000)))
     assert result.verification_pairs >= 10_000
     assert result.false_alarms == 0, result.incident

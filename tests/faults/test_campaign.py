@@ -16,8 +16,17 @@ from replicheck.campaign.scenarios import (
     fast_scenarios,
     select,
 )
-from replicheck.campaign.soak import soak_model
+from replicheck.campaign.soak import (
+    NOISE_SHAPES,
+    SoakConfig,
+    SoakResult,
+    bf16_soak,
+    parse_noise,
+    soak_markdown,
+    soak_model,
+)
 from replicheck.faults.errors import FaultConfigError
+from replicheck.faults.noise import KernelNoise, RankBias
 
 
 def _tiny(**kw: object) -> JobDefaults:
@@ -127,3 +136,100 @@ def test_scenario_filter_matches_names_and_rejects_unknown() -> None:
     assert names == ["nan", "clean", "clean-tolerant"]
     with pytest.raises(FaultConfigError):
         select(default_scenarios(), "nope")
+
+
+@pytest.mark.timeout(30)
+def test_bf16_one_percent_rows_exact_catches_tolerant_documents_the_limit() -> None:
+    """x1.01 on 8 values of a weight gradient under bf16 has two rows: exact mode (no kernel
+    noise) expected caught, tolerant mode expected missed; no bf16 row sets a tolerance, so the
+    guard's bf16 defaults are what the table shows."""
+    rows = {s.name: s for s in select(default_scenarios(), "bf16-*")}
+    exact, tolerant = rows["bf16-wgrad-1pct-exact"], rows["bf16-wgrad-1pct"]
+    for row in (exact, tolerant):
+        assert row.loss == "lm_bf16" and row.fault is not None
+        assert row.fault.what.describe() == "scale 8 value(s) by 1.01"
+        assert row.fault.onset == 23
+    assert (exact.mode, exact.expect, exact.noise) == ("exact", "detect", ())
+    assert (tolerant.mode, tolerant.expect) == ("tolerant", "undetected") and tolerant.noise
+    assert "soak-bf16.md" in tolerant.note and "start-up log" in tolerant.note
+    for row in rows.values():
+        assert (row.tolerance_floor, row.tolerance_ceiling, row.sketch_block) == (None, None, None)
+
+
+@pytest.mark.timeout(60)
+def test_noise_option_refuses_bad_input_with_exit_code_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--noise refuses an unknown shape (naming it and the known ones), --noise without --soak,
+    and noise on an exact-mode soak: exit code 2, nothing run or written."""
+    from replicheck.cli import main
+
+    out = tmp_path / "o"
+    base = ["campaign", "--out", str(out), "--no-progress"]
+    assert main([*base, "--soak", "8", "--bf16", "--noise", "gaussian,pink"]) == 2
+    err = capsys.readouterr().err
+    assert "'pink'" in err and "gaussian, additive, ulp, heavy, bias" in err
+    assert main([*base, "--noise", "ulp"]) == 2
+    assert "--soak only" in capsys.readouterr().err
+    assert main([*base, "--soak", "8", "--noise", "gaussian"]) == 2
+    assert "tolerant mode" in capsys.readouterr().err
+    assert not out.exists()
+
+
+@pytest.mark.timeout(30)
+def test_bf16_soak_covers_every_noise_shape_and_has_time_for_100000_pairs() -> None:
+    """The bf16 soak's default noise is one model per shape (bias on rank 1 only), its tolerances
+    are left to the guard, and its time limit fits 100,000 pairs at 60 ms a pair with room."""
+    cfg = bf16_soak(SoakConfig(pairs=100_000))
+    shapes = [m.shape if isinstance(m, KernelNoise) else "bias" for m in cfg.noise]
+    assert shapes == list(NOISE_SHAPES)
+    assert [m.ranks for m in cfg.noise if isinstance(m, RankBias)] == [(1,)]
+    assert (cfg.mode, cfg.loss, cfg.tolerance_floor, cfg.tolerance_ceiling, cfg.sketch_block) == (
+        "tolerant",
+        "lm_bf16",
+        None,
+        None,
+        None,
+    )
+    assert cfg.time_limit >= 3 * 3600 and cfg.time_limit >= 2 * 0.06 * cfg.pairs
+    assert [type(m).__name__ for m in bf16_soak(SoakConfig(), noise=parse_noise("bias")).noise] == [
+        "RankBias"
+    ]
+    assert bf16_soak(SoakConfig(), noise=parse_noise("none")).noise == ()
+
+
+@pytest.mark.timeout(30)
+def test_soak_report_lists_noise_models_tolerances_and_rates() -> None:
+    """soak-bf16.md names each noise model, the tolerances the guard reported, and the pairs,
+    false alarms, wall time, ms per step and pairs per second."""
+    cfg = bf16_soak(SoakConfig(pairs=400))
+    chosen = {"precision": "bf16", "sketch_block": 256, "floor": 0.08, "ceiling": 0.2, "threshold": 0.08}
+    result = SoakResult(
+        steps=100,
+        world=4,
+        verification_steps=100,
+        verification_pairs=400,
+        weight_checks=100,
+        false_alarms=0,
+        seconds=20.0,
+        ms_per_step=200.0,
+        final_loss=2.0,
+        first_loss=5.0,
+        incident=None,
+        config={
+            **dataclasses.asdict(cfg),
+            "model": dataclasses.asdict(cfg.model or soak_model()),
+            "noise": [{"kind": type(m).__name__, **dataclasses.asdict(m)} for m in cfg.noise],
+        },
+        pairs_per_second=20.0,
+        tolerance=chosen,
+        tolerances=[chosen] * 4,
+    )
+    text = soak_markdown(result, "replicheck campaign --soak 400 --bf16", 2, "2.x")
+    for shape in ("gaussian", "additive", "ulp", "heavy"):
+        assert f"- {shape}: " in text
+    assert "`RankBias`" in text and "rank(s) 1 " in text
+    assert "precision bf16, sketch block 256 values, floor 0.08, ceiling 0.2" in text
+    assert "None set by the run" in text
+    assert "| false alarms | 0 | 0 |" in text and "200.0 ms per step" in text
+    assert "| verification pairs per second | 20.0 | – |" in text

@@ -24,7 +24,7 @@ def test_matmul_fault_on_rank_2_corrupts_rank_2_only_and_is_named() -> None:
         batch=2,
         model=soak_model(),
         guard=GuardConfig(verify_every=5, weights_every=5),
-        setup=functools.partial(install_for_campaign, fault=fault, noise=None),
+        setup=functools.partial(install_for_campaign, fault=fault),
     )
     results = run_local(train, node_names(3, 1), args=(spec,), timeout=100)
     records = {r.rank: r.setup_result for r in results}

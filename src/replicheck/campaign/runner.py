@@ -19,7 +19,7 @@ from replicheck.campaign import setups
 from replicheck.campaign.scenarios import JobDefaults, Scenario, tolerance_overrides
 from replicheck.faults.errors import FaultConfigError
 from replicheck.faults.injector import Corruption, Fault
-from replicheck.faults.noise import KernelNoise
+from replicheck.faults.noise import NoiseModel, install_noise
 from replicheck.guard import GuardConfig
 from replicheck.harness.jobs import JobResult, JobSpec, train
 from replicheck.harness.launch import RankContext, node_names, run_local
@@ -35,13 +35,12 @@ def install_for_campaign(
     guard: Any,
     *,
     fault: Fault | None,
-    noise: KernelNoise | None,
+    noise: Sequence[NoiseModel] = (),
     poison: tuple[int, torch.Tensor] | None = None,
 ) -> list[Corruption]:
-    """The job's setup hook: simulated kernel noise and a poisoned sample ``(step, tokens)`` on
-    every rank, the fault on its rank."""
-    if noise is not None:
-        noise.install(model, rank=ctx.rank)
+    """The job's setup hook: simulated kernel noise (each model installed on the ranks it names)
+    and a poisoned sample ``(step, tokens)`` on every rank, the fault on its rank."""
+    install_noise(noise, model, ctx.rank)
     if poison is not None:
         setups.install_poison(model, *poison)
     if fault is None:

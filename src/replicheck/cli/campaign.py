@@ -59,8 +59,16 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--bf16",
         action="store_true",
-        help="with --soak: tolerant mode, bf16 autocast and simulated kernel noise on every rank "
-        "(writes soak-bf16.md/json)",
+        help="with --soak: tolerant mode, bf16 autocast and simulated kernel noise on every rank, "
+        "the tolerances left to the guard (writes soak-bf16.md/json)",
+    )
+    p.add_argument(
+        "--noise",
+        default=None,
+        metavar="SHAPES",
+        help="with --soak: simulated kernel noise on the final norm, a comma list of gaussian, "
+        "additive, ulp, heavy (every rank) and bias (a constant bias on rank 1), or none; "
+        "default: all of them with --bf16, none otherwise (needs tolerant mode)",
     )
     p.set_defaults(func=run)
 
@@ -107,9 +115,12 @@ def run(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(1)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     if args.soak is not None:
         return _soak(args, out)
+    if args.noise is not None:
+        print("replicheck campaign: --noise applies to --soak only", file=sys.stderr)
+        return 2
+    out.mkdir(parents=True, exist_ok=True)
     from replicheck.campaign import plots, report
     from replicheck.campaign.runner import run_campaign
     from replicheck.campaign.scenarios import JobDefaults, default_scenarios, select, soak_model
@@ -178,21 +189,41 @@ def _soak(args: argparse.Namespace, out: Path) -> int:
 
     import torch
 
-    from replicheck.campaign.soak import SoakConfig, run_soak, soak_markdown
-
-    cfg = SoakConfig(
-        pairs=args.soak,
-        nodes=args.nodes,
-        gpus_per_node=args.gpus_per_node,
-        mode=args.mode,
-        weights_every=args.weights_every or 1,
-        seed=args.seed,
+    from replicheck.campaign.soak import (
+        NOISE_SHAPES,
+        SoakConfig,
+        bf16_soak,
+        parse_noise,
+        run_soak,
+        soak_markdown,
+        soak_noise,
     )
+    from replicheck.faults.errors import FaultConfigError
+
+    try:
+        shapes = parse_noise(args.noise) if args.noise is not None else None
+        if shapes and not args.bf16 and args.mode == "exact":
+            raise FaultConfigError(
+                "--noise needs tolerant mode (--mode tolerant, or --bf16): exact mode compares "
+                "bits and alarms on any kernel noise"
+            )
+        cfg = SoakConfig(
+            pairs=args.soak,
+            nodes=args.nodes,
+            gpus_per_node=args.gpus_per_node,
+            mode=args.mode,
+            weights_every=args.weights_every or 1,
+            seed=args.seed,
+            noise=soak_noise(shapes or ()),
+        )
+    except FaultConfigError as exc:
+        print(f"replicheck campaign: {exc}", file=sys.stderr)
+        return 2
     name = "soak"
     if args.bf16:
-        from replicheck.campaign.soak import bf16_soak
-
-        cfg, name = bf16_soak(cfg, tiny=args.tiny), "soak-bf16"
+        cfg = bf16_soak(cfg, tiny=args.tiny, noise=NOISE_SHAPES if shapes is None else shapes)
+        name = "soak-bf16"
+    out.mkdir(parents=True, exist_ok=True)
     bar = _Progress(cfg.steps, "soak", "step", not args.no_progress)
     update: Callable[[int], None] = bar.update_to
     result = run_soak(cfg, progress=update)
