@@ -62,5 +62,5 @@ def test_fault_during_calibration_is_caught() -> None:
     assert rerun["first_over_threshold"] > 1 > rerun["rerun_over_threshold"]
     tol = evidence["tolerance"]
     assert tol["precision"] == "fp32" and tol["threshold"] == evidence["threshold"]
-    assert tol["floor"] <= tol["threshold"] <= tol["ceiling"] and "Smallest" not in tol["smallest_change"]
+    assert tol["floor"] <= tol["threshold"] <= tol["ceiling"] and "exact mode" in tol["smallest_change"]
     assert any(p["over_threshold"] > 1 for p in evidence["pairs"])

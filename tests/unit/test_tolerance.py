@@ -96,7 +96,7 @@ def test_a_set_precision_is_used_and_announced_at_start(caplog: pytest.LogCaptur
         state = _state(_model(), precision="bf16")
     assert state.precision == "bf16"
     text = caplog.text
-    assert "tolerant mode, bf16: sketch block 256, floor 0.08" in text and "Smallest change" in text
+    assert "tolerant mode (bf16): sketch block 256, floor 0.08" in text and "Smallest change" in text
 
 
 def test_ranks_in_different_precisions_are_a_misuse() -> None:

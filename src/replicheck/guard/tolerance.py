@@ -74,20 +74,27 @@ class Tolerance:
 
     def describe(self) -> str:
         """One log line: what was chosen, from what, and the smallest change that can be caught."""
-        given = "chosen" if self.chosen else "set"
+        names = {"sketch_block": "block", "floor": "floor", "ceiling": "ceiling"}
+        chosen = [names[n] for n in self.chosen]
+        given = [names[n] for n in names if n not in self.chosen]
+        how = f"{', '.join(chosen) or 'nothing'} chosen for {self.precision}"
+        if given:
+            how += f", {', '.join(given)} set"
         return (
-            f"tolerant mode, {self.precision}: sketch block {self.sketch_block}, floor {self.floor:g}, "
-            f"ceiling {self.ceiling:g} ({given}; measured {self.precision} noise up to "
-            f"{self.table.measured_noise:.3g} in {self.table.pairs:,} pairs, docs/results/noise-tables.md). "
+            f"tolerant mode ({self.precision}): sketch block {self.sketch_block}, floor {self.floor:g}, "
+            f"ceiling {self.ceiling:g} ({how}; {self.precision} noise measured up to "
+            f"{self.table.measured_noise:.3g} of a {self.table.sketch_block}-value block's norm in "
+            f"{self.table.pairs:,} replay pairs, docs/results/noise-tables.md). "
             f"Smallest change it can catch: {self.smallest_change()}"
         )
 
     def smallest_change(self) -> str:
         """The floor in words: what a fault must change to be seen."""
+        factor = 1 + self.floor * (self.sketch_block / 8) ** 0.5
         return (
-            f"a change of {self.floor:.3g} of a {self.sketch_block}-value block's norm in one gradient "
-            f"(or of the loss, relative); e.g. about x{1 + self.floor * (self.sketch_block / 8) ** 0.5:.3g} "
-            f"on 8 values of a block of equal values. Smaller faults need exact mode."
+            f"{self.floor:.3g} of a {self.sketch_block}-value block's norm in one gradient, or of the "
+            f"loss (about x{factor:.3g} on 8 values typical of their block); smaller faults need "
+            f"exact mode"
         )
 
     def to_evidence(self) -> dict[str, float | int | str]:
@@ -124,10 +131,12 @@ def choose(
     warnings: list[str] = []
     if tol.floor > tol.ceiling:
         # Only one of the two was set: the table's other value is moved to meet it.
-        if floor is None:
-            tol = replace(tol, floor=tol.ceiling)
-        else:
-            tol = replace(tol, ceiling=tol.floor)
+        moved = "floor" if floor is None else "ceiling"
+        warnings.append(
+            f"the {precision} table's {moved} {getattr(tol, moved):g} is moved to the set "
+            f"{'ceiling' if floor is None else 'floor'} {tol.ceiling if floor is None else tol.floor:g}"
+        )
+        tol = replace(tol, floor=tol.ceiling) if floor is None else replace(tol, ceiling=tol.floor)
     noise = table.measured_noise
     if ceiling is not None and tol.ceiling < noise:
         warnings.append(
