@@ -39,7 +39,9 @@ def _noisy(ctx: RankContext, model: Any, opt: Any, guard: Guard, *, inner: Any) 
 @pytest.mark.timeout(300)
 def test_fault_during_calibration_is_caught() -> None:
     """A transient probe fault (x1.001, below the tolerance ceiling) at steps 0 and 5, during the
-    first calibration verifications, is named at step 0 as transient, under kernel noise."""
+    first calibration verifications, is named at step 0 as transient, under kernel noise: the
+    suspect's re-run is not over the threshold (the evidence says by how much each run was), and
+    the incident states the tolerances and the smallest change they catch."""
     fault = functools.partial(probe_fault, rank=1, steps=(0, 5), factor=1.001)
     spec = JobSpec(
         model=TINY,
@@ -54,3 +56,11 @@ def test_fault_during_calibration_is_caught() -> None:
     assert all(r.incident == inc for r in results)
     assert (inc["step"], inc["check"], inc["suspect_ranks"]) == (0, "replay", [1])
     assert inc["classification"] == "transient"
+    evidence = inc["evidence"]["replay"]
+    (rerun,) = evidence["reruns"]
+    assert rerun["rank"] == 1 and rerun["reproduced"] is False
+    assert rerun["first_over_threshold"] > 1 > rerun["rerun_over_threshold"]
+    tol = evidence["tolerance"]
+    assert tol["precision"] == "fp32" and tol["threshold"] == evidence["threshold"]
+    assert tol["floor"] <= tol["threshold"] <= tol["ceiling"] and "exact mode" in tol["smallest_change"]
+    assert any(p["over_threshold"] > 1 for p in evidence["pairs"])

@@ -10,7 +10,6 @@ from replicheck.guard.attribution.verdict import (
     arbitrate,
     attribute_pairs,
     primary,
-    tolerance,
     vote,
 )
 
@@ -71,13 +70,6 @@ def test_lone_pair_needs_arbitration() -> None:
     assert arbitrate(False, True, source=2, verifier=0) == 2
     assert arbitrate(True, False, source=2, verifier=0) == 0
     assert arbitrate(False, False, source=2, verifier=0) is None
-
-
-def test_tolerance_is_clamped() -> None:
-    """The calibrated threshold never drops below the floor nor exceeds the ceiling."""
-    assert tolerance(0.0, margin=10, floor=1e-5, ceiling=1e-2) == 1e-5
-    assert tolerance(1e-5, margin=10, floor=1e-5, ceiling=1e-2) == pytest.approx(1e-4)
-    assert tolerance(1.0, margin=10, floor=1e-5, ceiling=1e-2) == 1e-2
 
 
 def test_primary_prefers_direct_evidence() -> None:

@@ -14,6 +14,7 @@ from typing import Any, Literal
 from replicheck.faults.errors import FaultConfigError
 from replicheck.faults.injector import Fault
 from replicheck.faults.noise import KernelNoise, NoiseModel
+from replicheck.guard.tolerance import choose
 from replicheck.harness.jobs import JobLoss, Parallel
 from replicheck.harness.workloads import DecoderConfig
 
@@ -167,6 +168,8 @@ _UPDATE = Fault.at_optimizer_update("blocks.1.attn.qkv.weight").persistent(from_
 _REDUCED = Fault.at_reduced_gradient().transient(step=23).bitflip(bit=22)
 _INF_WGRAD = Fault.at_weight_gradient(_WGRAD).persistent(from_step=23).inf()
 _WGRAD_1PCT = Fault.at_weight_gradient(_WGRAD).persistent(from_step=23).scale(1.01, count=8)
+_BF16, _ = choose("bf16", sketch_block=None, floor=None, ceiling=None)
+"""The tolerances the guard chooses for a bf16 job that sets none (the rows' notes cite them)."""
 
 
 def _fsdp() -> dict[str, Any]:
@@ -310,9 +313,9 @@ def default_scenarios() -> list[Scenario]:
             **bf16,
             note=(
                 "documented limit: a 1% change of 8 values is below the floor tolerant mode states "
-                "for bf16 (the guard's start-up log gives its sketch block, floor and ceiling); "
-                "kernel noise moves bf16 gradient values by 1-2 ulps, as much as the fault does "
-                "(docs/results/soak-bf16.md). Exact mode catches it: bf16-wgrad-1pct-exact"
+                f"for bf16 in its start-up log ({_BF16.smallest_change()}); kernel noise moves bf16 "
+                "gradient values by 1-2 ulps, as much as the fault does (docs/results/soak-bf16.md). "
+                "Exact mode catches it: bf16-wgrad-1pct-exact"
             ),
         ),
         Scenario(

@@ -24,7 +24,7 @@ import torch
 from replicheck.campaign.scenarios import bf16_tolerant, campaign_model, soak_model, tolerance_overrides
 from replicheck.faults.errors import FaultConfigError
 from replicheck.faults.noise import KernelNoise, NoiseModel, NoiseShape, RankBias, install_noise
-from replicheck.guard import GuardConfig, current_pass, current_step
+from replicheck.guard import Guard, GuardConfig, current_pass, current_step
 from replicheck.guard.config import Mode
 from replicheck.guard.modules import unwrap
 from replicheck.harness.jobs import JobLoss, JobSpec, train
@@ -185,32 +185,22 @@ def bf16_soak(cfg: SoakConfig, *, tiny: bool = False, noise: Sequence[str] = NOI
     )
 
 
-_TOLERANCE_FIELDS = ("precision", "sketch_block", "floor", "ceiling", "threshold")
-
-
-def _plain(value: Any) -> Any:
-    """A JSON value for one tolerance field (a dtype or enum becomes its text)."""
-    return value if value is None or isinstance(value, (bool, int, float, str)) else str(value)
-
-
-def guard_tolerance(guard: Any) -> dict[str, Any] | None:
-    """What tolerant mode uses on this rank, from ``guard.tolerance`` (the sketch block, floor and
-    ceiling the guard chose for the job's precision, and the threshold after calibration);
-    ``None`` in exact mode."""
-    if guard.config.mode != "tolerant":
+def guard_tolerance(guard: Guard) -> dict[str, Any] | None:
+    """What tolerant mode uses on this rank, read from the guard: the precision, the sketch block,
+    floor and ceiling in force (``chosen``: those the guard took from its table rather than the
+    user), the threshold now (the floor raised by calibration) and the smallest change it can
+    catch. ``None`` in exact mode and before an ``auto`` job's first forward."""
+    tol = guard.tolerance
+    if tol is None:
         return None
-    chosen = getattr(guard, "tolerance", None)
-    if chosen is not None:
-        return {f: _plain(getattr(chosen, f, None)) for f in _TOLERANCE_FIELDS}
-    # TODO(issue 25): drop this once every guard has `tolerance`. Until then: the configured
-    # fields, with the precision and the calibrated threshold unknown.
-    cfg = guard.config
     return {
-        "precision": None,
-        "sketch_block": _plain(cfg.sketch_block),
-        "floor": _plain(cfg.tolerance_floor),
-        "ceiling": _plain(cfg.tolerance_ceiling),
-        "threshold": None,
+        "precision": tol.precision,
+        "sketch_block": tol.sketch_block,
+        "floor": tol.floor,
+        "ceiling": tol.ceiling,
+        "threshold": guard.threshold,
+        "chosen": list(tol.chosen),
+        "smallest_change": tol.smallest_change(),
     }
 
 
@@ -218,7 +208,7 @@ def _soak_setup(
     ctx: RankContext,
     model: torch.nn.Module,
     opt: Any,
-    guard: Any,
+    guard: Guard,
     *,
     path: str,
     every: int,
@@ -361,9 +351,11 @@ def _tolerance_lines(r: SoakResult) -> list[str]:
             f"{fig('precision')}, sketch block {fig('sketch_block')} values, floor {fig('floor')}, "
             f"ceiling {fig('ceiling')}, threshold after calibration {fig('threshold')}."
         )
-        others = [t for t in r.tolerances if t is not None and t != chosen]
-        if others:
-            text += f" Other ranks differ: {others}."
+        if chosen.get("smallest_change"):
+            text += f" Smallest change it can catch: {chosen['smallest_change']}."
+        differ = [str(rank) for rank, t in enumerate(r.tolerances) if t != chosen]
+        if differ:
+            text += f" Ranks whose figures differ from rank 0's (see the JSON): {', '.join(differ)}."
     text += (
         " Set by the run: " + ", ".join(f"`{k}={v}`" for k, v in set_by_run.items()) + "."
         if set_by_run

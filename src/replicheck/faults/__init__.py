@@ -26,6 +26,10 @@ _EXPORTS = {
     "WeightsAtRest": "replicheck.faults.sites",
     "ReducedGradient": "replicheck.faults.sites",
     "KernelNoise": "replicheck.faults.noise",
+    "RankBias": "replicheck.faults.noise",
+    "NoiseModel": "replicheck.faults.noise",
+    "NoiseShape": "replicheck.faults.noise",
+    "install_noise": "replicheck.faults.noise",
     "FaultError": "replicheck.faults.errors",
     "FaultConfigError": "replicheck.faults.errors",
 }

@@ -15,6 +15,8 @@ ProbeMode = Literal["auto", "split", "extra"]
 """Whether a probe is part of the real batch (``split``) or computed in addition (``extra``)."""
 ProbeAttention = Literal["math", "default"]
 """Which scaled-dot-product attention backends a deterministic probe pass may use."""
+PrecisionChoice = Literal["auto", "fp32", "fp16", "bf16"]
+"""What a tolerant-mode job computes in (``auto``: learnt from its first forward)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,19 +87,31 @@ class GuardConfig:
     of the shard's parameters, gradients and optimizer state, and its transfer, per verification."""
     sketch_k: int = 4
     """Tolerant mode: random ±1 projections per block, besides its norm."""
-    sketch_block: int = 4096
+    sketch_block: int | None = None
     """Tolerant mode: values per block of a gradient's sketch (each block is compared against its
     own norm, so a sparse fault is not diluted by the whole tensor). The fingerprint holds
-    ``sketch_k + 3`` float64 values per block."""
-    tolerance_floor: float = 1e-5
-    """Tolerant mode: lowest relative threshold (difference / tensor norm) that may alarm."""
-    tolerance_ceiling: float = 1e-2
-    """Tolerant mode: highest threshold calibration may reach (so noise cannot blind it)."""
+    ``sketch_k + 3`` float64 values per block. ``None``: chosen by ``precision`` from the measured
+    noise tables (4096 for fp32, 256 for fp16 and bf16; :mod:`replicheck.guard.tolerance`)."""
+    tolerance_floor: float | None = None
+    """Tolerant mode: lowest relative threshold (difference / block norm) that may alarm: the
+    smallest change tolerant mode can catch. ``None``: chosen by ``precision`` (1e-4 fp32, 0.03
+    fp16, 0.08 bf16), a safety factor over the largest noise measured for it; a value below that
+    noise is accepted with a warning."""
+    tolerance_ceiling: float | None = None
+    """Tolerant mode: highest threshold calibration may reach (so noise cannot blind it).
+    ``None``: chosen by ``precision`` (1e-2 fp32, 0.1 fp16, 0.2 bf16); a value below the measured
+    noise is accepted with a warning."""
+    precision: PrecisionChoice = "auto"
+    """Tolerant mode: what the job computes in, which chooses the tolerances left ``None``.
+    ``auto``: learnt from the first forward (the autocast dtype there, else the parameters' dtype,
+    else the output's); set it when autocast is entered inside the model's own code."""
     tolerance_margin: float = 10.0
-    """Tolerant mode: threshold = margin × the largest replay-to-replay noise measured."""
+    """Tolerant mode: threshold = margin × the noise calibration measured (between the floor and
+    the ceiling)."""
     calibration_verifications: int = 3
-    """Tolerant mode: verification steps on which every rank also replays its own probe to
-    measure the noise of its kernels."""
+    """Tolerant mode: the first verification steps, on which every rank also replays its own probe
+    twice (same-device noise) and the ring's pairs give the cross-rank noise (a rank's quieter
+    pair, the lower median over ranks: a fault present from step 0 cannot raise it)."""
     per_rank_buffers: tuple[str, ...] = ()
     """Buffers (names as in ``named_buffers()`` of the bare module) that each rank updates from its
     own data in forward, left out of the cross-replica weights comparison. Every other buffer and
@@ -137,10 +151,28 @@ class GuardConfig:
             raise GuardConfigError(f"start_step must be >= 0, got {self.start_step}")
         if self.sketch_k < 1:
             raise GuardConfigError(f"sketch_k must be >= 1, got {self.sketch_k}")
-        if not isinstance(self.sketch_block, int) or self.sketch_block < 1:
-            raise GuardConfigError(f"sketch_block must be an int >= 1, got {self.sketch_block!r}")
-        if not 0 < self.tolerance_floor <= self.tolerance_ceiling:
-            raise GuardConfigError("need 0 < tolerance_floor <= tolerance_ceiling")
+        if self.sketch_block is not None and (
+            not isinstance(self.sketch_block, int)
+            or isinstance(self.sketch_block, bool)
+            or self.sketch_block < 1
+        ):
+            raise GuardConfigError(f"sketch_block must be an int >= 1 or None, got {self.sketch_block!r}")
+        for name in ("tolerance_floor", "tolerance_ceiling"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, (int, float)) and 0 < value < float("inf")):
+                raise GuardConfigError(f"{name} must be a positive number or None, got {value!r}")
+        if (
+            self.tolerance_floor is not None
+            and self.tolerance_ceiling is not None
+            and self.tolerance_floor > self.tolerance_ceiling
+        ):
+            raise GuardConfigError(
+                f"need tolerance_floor <= tolerance_ceiling, got {self.tolerance_floor} > {self.tolerance_ceiling}"
+            )
+        if self.precision not in ("auto", "fp32", "fp16", "bf16"):
+            raise GuardConfigError(
+                f"precision must be 'auto', 'fp32', 'fp16' or 'bf16', got {self.precision!r}"
+            )
         if self.tolerance_margin < 1:
             raise GuardConfigError(f"tolerance_margin must be >= 1, got {self.tolerance_margin}")
         if self.grad_norm_bound is not None and not self.grad_norm_bound > 0:

@@ -7,7 +7,7 @@ all-gather), so every rank takes part in the same exchanges and reaches the same
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
 from replicheck.guard.attribution.compare import agrees, compare
@@ -110,6 +110,9 @@ class Criterion:
     """``exact``: bit for bit; ``tolerant``: within ``threshold``."""
     threshold: float
     """Tolerant mode: the calibrated threshold (ignored in exact mode)."""
+    context: Evidence | None = field(default=None, compare=False)
+    """Tolerant mode: what the threshold came from (precision, floor, ceiling, calibration),
+    recorded in the incident."""
 
     def accepts(self, distance: float) -> bool:
         """Whether a pair's distance counts as agreement."""
@@ -117,6 +120,16 @@ class Criterion:
 
     def agree(self, a: ProbeResult, b: ProbeResult) -> bool:
         return agrees(compare(a, b, self.mode, self.threshold), self.mode, self.threshold)
+
+    def distance(self, a: ProbeResult, b: ProbeResult) -> float:
+        """How far apart two results are (exact mode: 0 or 1)."""
+        return compare(a, b, self.mode, self.threshold).distance
+
+    def over(self, distance: float) -> float | None:
+        """Tolerant mode: ``distance`` as a multiple of the threshold (``None`` in exact mode)."""
+        if self.mode == "exact":
+            return None
+        return distance / self.threshold if self.threshold > 0 else None
 
 
 @dataclass(frozen=True)
@@ -161,6 +174,10 @@ class _Arbitration:
     arbiter: int
     agrees_with_source: bool
     agrees_with_verifier: bool
+    to_source: float = 0.0
+    """Distance of the arbiter's replay from the source's claimed result."""
+    to_verifier: float = 0.0
+    """Distance of the arbiter's replay from the verifier's replay."""
 
     @property
     def odd_one_out(self) -> int | None:
@@ -173,29 +190,62 @@ class _Arbitration:
             "arbiter": self.arbiter,
             "agrees_with_source": self.agrees_with_source,
             "agrees_with_verifier": self.agrees_with_verifier,
+            "distance_to_source": self.to_source,
+            "distance_to_verifier": self.to_verifier,
             "odd_one_out": self.odd_one_out,
         }
 
 
 @dataclass(frozen=True)
 class _Rerun:
-    """A suspect's recomputation of what it is blamed for."""
+    """A suspect's recomputation of what it is blamed for.
+
+    Exact mode: the fault is persistent when the re-run gives the same (wrong) answer bit for bit.
+    Tolerant mode: when the re-run is again over the threshold from the reference (the other
+    party's answer), so an exceedance the re-run does not reproduce is never called persistent."""
 
     rank: int
     rerun: str
     same_answer: bool
+    """The re-run agrees with the suspect's first answer (bit for bit, or within the threshold)."""
+    mode: Mode = "exact"
+    first: float = 0.0
+    """Tolerant mode: distance of the suspect's first answer from the reference."""
+    again: float = 0.0
+    """Tolerant mode: distance of the re-run from the reference."""
+    threshold: float = 0.0
+    """Tolerant mode: the threshold of the step."""
+
+    @property
+    def reproduced(self) -> bool:
+        """The re-run shows the fault again."""
+        if self.mode == "exact":
+            return self.same_answer
+        return self.again > self.threshold
 
     @property
     def classification(self) -> Classification:
-        return "persistent" if self.same_answer else "transient"
+        return "persistent" if self.reproduced else "transient"
 
     def to_evidence(self) -> Evidence:
-        return {
+        evidence: Evidence = {
             "rank": self.rank,
             "rerun": self.rerun,
             "same_answer": self.same_answer,
             "classification": self.classification,
         }
+        if self.mode == "tolerant":
+            over = self.threshold if self.threshold > 0 else 1.0
+            evidence.update(
+                {
+                    "distance_first": self.first,
+                    "distance_rerun": self.again,
+                    "first_over_threshold": self.first / over,
+                    "rerun_over_threshold": self.again / over,
+                    "reproduced": self.reproduced,
+                }
+            )
+        return evidence
 
 
 def resolve_replay(
@@ -235,18 +285,20 @@ def resolve_replay(
             suspects.append(odd)
     if failure is None:
         reruns, failed, error = _classify(
-            comm, suspects, {src for src, _ in failing}, view, replay, criterion, together
+            comm, ring, suspects, {src for src, _ in failing}, view, replay, criterion, together
         )
         if failed:
             failure = ("rerun", failed, error)
 
     candidates = sorted({r for pair in unresolved for r in pair})
     evidence: Evidence = {
-        "pairs": [p.to_evidence() for p in pairs],
+        "pairs": [_pair_evidence(p, criterion) for p in pairs],
         "arbitrations": [a.to_evidence() for a in arbitrations],
         "reruns": [r.to_evidence() for r in reruns],
         "threshold": criterion.threshold if criterion.mode == "tolerant" else None,
     }
+    if criterion.context is not None:
+        evidence["tolerance"] = criterion.context
     if failure is not None:
         evidence["rerun_failed"] = failure_evidence(failure[0], failure[1])
     if not suspects:
@@ -266,6 +318,14 @@ def resolve_replay(
     if failure is not None:
         raise RerunFailed(view.own.step, tuple(sorted(failure[1])), failure[2], finding)
     return finding
+
+
+def _pair_evidence(p: PairOutcome, criterion: Criterion) -> Evidence:
+    evidence = p.to_evidence()
+    over = criterion.over(p.distance)
+    if over is not None:
+        evidence["over_threshold"] = over
+    return evidence
 
 
 def _arbiters(
@@ -321,6 +381,8 @@ def _arbitrate(
                     arbiter=arb,
                     agrees_with_source=criterion.agree(msg.payload.result, result),
                     agrees_with_verifier=criterion.agree(msg.verifier_result, result),
+                    to_source=criterion.distance(msg.payload.result, result),
+                    to_verifier=criterion.distance(msg.verifier_result, result),
                 )
             )
 
@@ -337,6 +399,7 @@ def _arbitrate(
 
 def _classify(
     comm: Comm,
+    ring: Ring,
     suspects: Sequence[int],
     sources: set[int],
     view: LocalView,
@@ -344,23 +407,55 @@ def _classify(
     criterion: Criterion,
     together: Together,
 ) -> tuple[list[_Rerun], dict[int, str], Exception | None]:
-    """Each suspect recomputes what it is blamed for and compares with its first answer
-    (the re-runs every rank finished, the ranks whose re-run raised, this rank's own error)."""
+    """Each suspect recomputes what it is blamed for and compares with its first answer and, in
+    tolerant mode, with the reference: the other party's answer (a suspect source gets its
+    verifier's replay first). Returns the re-runs every rank finished, the ranks whose re-run
+    raised (with what they reported) and this rank's own error."""
     mine: list[_Rerun] = []
+    rank = comm.rank
+    suspect = rank in suspects
+    blamed_sources = sorted(s for s in suspects if s in sources)
+    reference: ProbeResult | None = None
+    received: object = None
+    if criterion.mode == "tolerant":
+        # Every rank knows the suspects and the ring, so every rank enters this exchange.
+        verifiers = {ring.verifier_of(s): s for s in blamed_sources}
+        sends = [(verifiers[rank], _reference_request(view))] if rank in verifiers else []
+        inbox = comm.exchange(sends, [ring.verifier_of(rank)] if rank in blamed_sources else [])
+        received = next(iter(inbox.values()), None)
 
     def run() -> None:
-        if comm.rank in sources:
+        nonlocal reference
+        if rank in sources:
             again, first, what = replay(view.own), view.own.result, "own probe"
+            if received is not None:
+                reference = ArbitrationRequest.decode(received).verifier_result
         else:
             again, first, what = replay(view.received), view.replayed, "replay of its source's probe"
-        mine.append(_Rerun(rank=comm.rank, rerun=what, same_answer=criterion.agree(first, again)))
+            reference = view.received.result
+        rerun = _Rerun(rank=rank, rerun=what, same_answer=criterion.agree(first, again), mode=criterion.mode)
+        if criterion.mode == "tolerant" and reference is not None:
+            rerun = _Rerun(
+                rank=rank,
+                rerun=what,
+                same_answer=rerun.same_answer,
+                mode="tolerant",
+                first=criterion.distance(first, reference),
+                again=criterion.distance(again, reference),
+                threshold=criterion.threshold,
+            )
+        mine.append(rerun)
 
-    suspect = comm.rank in suspects
     _, tried = attempt(together, 1 if suspect else 0, run if suspect else _nothing, view.own.step)
     done = mine[0] if mine and tried.error is None else None
     reports = comm.gather_objects((tried.report, tried.error is not None, done))
     failed = failed_ranks([r for r, _, _ in reports], [p for _, p, _ in reports])
     return [r for _, _, r in reports if r is not None], failed, tried.error
+
+
+def _reference_request(view: LocalView) -> object:
+    """What a verifier sends its blamed source: the disputed payload and its own replay of it."""
+    return ArbitrationRequest(payload=view.received, verifier_result=view.replayed).encode()
 
 
 def _nothing() -> None:

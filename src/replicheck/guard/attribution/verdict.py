@@ -107,11 +107,6 @@ def arbitrate(agrees_with_source: bool, agrees_with_verifier: bool, source: int,
     return None
 
 
-def tolerance(noise: float, *, margin: float, floor: float, ceiling: float) -> float:
-    """Threshold for tolerant comparisons from the largest replay-to-replay noise measured."""
-    return min(max(margin * noise, floor), ceiling)
-
-
 def calibration_noise(noises: Sequence[float]) -> float:
     """One calibration step's noise from every rank's replay-to-replay noise: the lower median,
     so one faulty rank (a fault in one of its calibration replays) cannot raise the tolerance;

@@ -15,6 +15,7 @@ from typing import Any, NoReturn
 
 import torch
 
+from replicheck.guard.attribution.calibration import Calibration
 from replicheck.guard.attribution.resolve import Replayer, RerunFailed
 from replicheck.guard.attribution.ring import Ring
 from replicheck.guard.attribution.verdict import Finding
@@ -32,12 +33,15 @@ from replicheck.guard.step.determinism import prepare_cublas
 from replicheck.guard.step.failure import StepFailure
 from replicheck.guard.step.judge import StepJudge
 from replicheck.guard.step.passes import StepPasses
+from replicheck.guard.step.precision import ToleranceState
 from replicheck.guard.step.replay import Fingerprinter, Recompute, buffers_restored
 from replicheck.guard.step.report import IncidentBuilder
 from replicheck.guard.step.rng import forked_rng
 from replicheck.guard.step.state import StateDigests
 from replicheck.guard.step.support import check_loss_fn, check_model, check_optimizer
 from replicheck.guard.step.verify import RowBuilder
+from replicheck.guard.tolerance import Tolerance
+from replicheck.guard.tolerance import code as precision_code
 from replicheck.guard.transport.batch import batch_size
 from replicheck.guard.transport.comm import Comm
 from replicheck.guard.transport.records import StepRow
@@ -110,7 +114,9 @@ class Guard:
 
         self._fail = StepFailure(optimizer, par)
         self._health = par.install(cfg, self._fail.flags.any_failed)
-        fingerprinter = Fingerprinter(cfg.mode, cfg.sketch_k, cfg.sketch_block)
+        self._tolerances = ToleranceState(cfg, par.module, self._device, self._params, self.comm.rank)
+        tolerances = self._tolerances
+        fingerprinter = Fingerprinter(cfg.mode, cfg.sketch_k, lambda: tolerances.tolerance().sketch_block)
         self._recompute = Recompute(
             par, loss_fn, self._params, fingerprinter, cfg.use_deterministic, cfg.probe_attention
         )
@@ -124,6 +130,7 @@ class Guard:
             reduced_finding=self._health.reduced_finding,
             loss_scale=self._scaler.get_scale if self._scaler is not None else None,
             replica_groups=par.replica_groups,
+            tolerances=self._tolerances,
         )
         if cfg.mode == "exact" and not cfg.use_deterministic:
             log.warning("exact mode without deterministic kernels: a replay may differ by kernel noise")
@@ -152,6 +159,9 @@ class Guard:
             self._scaler,
             self._state,
             lambda: judge.calibrating,
+            precision=(lambda: precision_code(tolerances.tolerance().precision))
+            if cfg.mode == "tolerant"
+            else (lambda: 0),
         )
         if self.world_size == 1:
             warnings.warn(
@@ -206,6 +216,56 @@ class Guard:
     def next_step(self) -> int:
         """Index of the step the next call to :meth:`step` runs."""
         return self._next_step
+
+    @property
+    def tolerance(self) -> Tolerance | None:
+        """Tolerant mode: the tolerances in force (block, floor, ceiling and the precision they
+        are for); ``None`` in exact mode and before an ``auto`` job's first forward."""
+        if self._config.mode != "tolerant" or self._tolerances.precision is None:
+            return None
+        return self._tolerances.tolerance()
+
+    @property
+    def threshold(self) -> float | None:
+        """Tolerant mode: the threshold a pair is judged by now (the floor raised by calibration);
+        ``None`` where :attr:`tolerance` is."""
+        tol = self.tolerance
+        if tol is None:
+            return None
+        return self._judge.calibration.threshold(
+            margin=self._config.tolerance_margin, floor=tol.floor, ceiling=tol.ceiling
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """The guard's own state, to save beside the model's: the next step, the newest verified
+        step and tolerant mode's calibration (plain Python values)."""
+        return {
+            "format": _STATE_FORMAT,
+            "next_step": self._next_step,
+            "last_verified_step": self.last_verified_step,
+            "calibration": self._judge.calibration.to_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (before the first step of a resumed run): steps continue from
+        the saved ones and tolerant mode keeps the noise it measured instead of calibrating again.
+        Raises :class:`GuardConfigError` for a state that is not one, changing nothing."""
+        if not isinstance(state, dict) or state.get("format") != _STATE_FORMAT:
+            raise GuardConfigError(f"not a replicheck guard state (format {_STATE_FORMAT!r} expected)")
+        next_step, verified = state.get("next_step"), state.get("last_verified_step")
+        if not isinstance(next_step, int) or isinstance(next_step, bool) or next_step < 0:
+            raise GuardConfigError(f"guard state: next_step must be an int >= 0, got {next_step!r}")
+        if verified is not None and (not isinstance(verified, int) or not 0 <= verified < next_step):
+            raise GuardConfigError(
+                f"guard state: last_verified_step must be None or an int below next_step, got {verified!r}"
+            )
+        try:
+            calibration = Calibration.from_dict(state.get("calibration") or {})
+        except ValueError as exc:
+            raise GuardConfigError(f"guard state: {exc}") from exc
+        self._next_step = next_step
+        self.last_verified_step = verified
+        self._judge.calibration = calibration
 
     def add_reduced_gradient_hook(self, hook: ReducedHook) -> Callable[[], None]:
         """Call ``hook(bucket_index, tensor)`` on each reduced gradient bucket; returns a remover."""
@@ -342,6 +402,9 @@ class Guard:
             _backward(loss)
         self._optimizer.zero_grad(set_to_none=True)
         self._health.reset()
+
+
+_STATE_FORMAT = "replicheck.guard-state/1"
 
 
 def _backward(loss: torch.Tensor) -> None:

@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from replicheck.guard.attribution.calibration import Calibration
 from replicheck.guard.attribution.resolve import (
     Criterion,
     LocalView,
@@ -20,9 +21,10 @@ from replicheck.guard.attribution.resolve import (
     resolve_replay,
 )
 from replicheck.guard.attribution.ring import Ring
-from replicheck.guard.attribution.verdict import Finding, calibration_noise, tolerance
+from replicheck.guard.attribution.verdict import Finding
 from replicheck.guard.checks import replicas
 from replicheck.guard.config import GuardConfig
+from replicheck.guard.step.precision import ToleranceState
 from replicheck.guard.step.replay import Recompute
 from replicheck.guard.transport.batch import to_device
 from replicheck.guard.transport.comm import Comm
@@ -47,6 +49,7 @@ class StepJudge:
         reduced_finding: ReducedFinding,
         loss_scale: Callable[[], float] | None = None,
         replica_groups: Sequence[Sequence[int]] | None = None,
+        tolerances: ToleranceState | None = None,
     ) -> None:
         self._config, self._comm, self._ring = config, comm, ring
         self._nodes = list(nodes)
@@ -56,13 +59,15 @@ class StepJudge:
         self._loss_scale = loss_scale
         self._groups = replica_groups
         """Ranks that hold the same state (None: every rank, as in DDP)."""
-        self._noise = 0.0
-        self._calibrations = 0
+        self._tolerances = tolerances
+        """Tolerant mode: this rank's precision and the tolerances that follow."""
+        self.calibration = Calibration()
+        """Tolerant mode: the noise measured so far (part of the guard's state)."""
 
     @property
     def calibrating(self) -> bool:
         """Tolerant mode is still measuring its noise (the first verifications of the run)."""
-        return self._calibrations < self._config.calibration_verifications
+        return self.calibration.verifications < self._config.calibration_verifications
 
     def evaluate(
         self,
@@ -132,20 +137,34 @@ class StepJudge:
             if f is not None:
                 findings.append(f)
 
-    def _threshold(self, rows: Sequence[HostRow]) -> float:
-        """Tolerant mode: the threshold, after folding this step's noise into the calibration."""
+    def _criterion(self, rows: Sequence[HostRow]) -> Criterion:
+        """How the step's pairs are judged; tolerant mode folds this step's noise into the
+        calibration first, while it calibrates."""
         cfg = self._config
         if cfg.mode != "tolerant":
-            return 0.0
-        if self._calibrations < cfg.calibration_verifications:
-            self._noise = max(self._noise, calibration_noise([r.noise for r in rows]))
-            self._calibrations += 1
-        return tolerance(
-            self._noise, margin=cfg.tolerance_margin, floor=cfg.tolerance_floor, ceiling=cfg.tolerance_ceiling
+            return Criterion(mode=cfg.mode, threshold=0.0)
+        assert self._tolerances is not None, "tolerant mode has tolerances"
+        tol = self._tolerances.agreed([r.precision for r in rows])
+        if self.calibrating:
+            self.calibration = self.calibration.fold(
+                [r.noise for r in rows], [r.pair_distance for r in rows], self._ring
+            )
+        threshold = self.calibration.threshold(
+            margin=cfg.tolerance_margin, floor=tol.floor, ceiling=tol.ceiling
+        )
+        return Criterion(
+            mode="tolerant",
+            threshold=threshold,
+            context={
+                **tol.to_evidence(),
+                "threshold": threshold,
+                "calibrated_noise": self.calibration.noise,
+                "calibration": self.calibration.to_dict(),
+            },
         )
 
     def _replay_finding(self, rows: Sequence[HostRow], view: LocalView, replay: Replayer) -> Finding | None:
-        criterion = Criterion(mode=self._config.mode, threshold=self._threshold(rows))
+        criterion = self._criterion(rows)
         pairs = []
         for ver in range(len(rows)):
             src = self._ring.source_of(ver)

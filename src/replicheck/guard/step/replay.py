@@ -73,13 +73,19 @@ class Fingerprinter:
     """Fingerprint kind: exact digests or tolerant sketches."""
     sketch_k: int
     """Tolerant mode: projections per block."""
-    sketch_block: int = fp.SKETCH_BLOCK
-    """Tolerant mode: values per block."""
+    sketch_block: int | Callable[[], int] = fp.SKETCH_BLOCK
+    """Tolerant mode: values per block, or what gives it when it is first needed (the block is
+    chosen by the job's precision, learnt from its first forward)."""
+
+    @property
+    def block(self) -> int:
+        """Tolerant mode: values per block."""
+        return self.sketch_block if isinstance(self.sketch_block, int) else self.sketch_block()
 
     def __call__(self, grads: Sequence[torch.Tensor | None], seed: int) -> torch.Tensor:
         if self.mode == "exact":
             return fp.digests(grads, fold_zero=True)
-        return fp.sketches(grads, seed=seed, k=self.sketch_k, block=self.sketch_block)
+        return fp.sketches(grads, seed=seed, k=self.sketch_k, block=self.block)
 
     def part(self, seed: int) -> Capture:
         """The fingerprint of one gradient buffer, on its device: what a lockstep probe pass keeps
@@ -87,7 +93,9 @@ class Fingerprinter:
         tensor at that index)."""
         if self.mode == "exact":
             return lambda t, i: fp.digests([t], fold_zero=True)
-        return lambda t, i: fp.sketch_rows(t, index=i, seed=seed, k=self.sketch_k, block=self.sketch_block)
+        # The block is read as each gradient arrives: a probe's first forward may be what
+        # decides it (the job's precision).
+        return lambda t, i: fp.sketch_rows(t, index=i, seed=seed, k=self.sketch_k, block=self.block)
 
     def join(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
         """The fingerprint made of :meth:`part` results, in the order they were taken."""

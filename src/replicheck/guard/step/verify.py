@@ -36,6 +36,7 @@ class RowBuilder:
         scaler: torch.amp.GradScaler | None,
         state: StateDigests,
         calibrating: Callable[[], bool],
+        precision: Callable[[], int] = lambda: 0,
     ) -> None:
         self._ring, self._mode = ring, mode
         self._health, self._fail, self._recompute, self._scaler = health, fail, recompute, scaler
@@ -43,6 +44,8 @@ class RowBuilder:
         self._state = state
         self._calibrating = calibrating
         """Whether tolerant mode still measures its noise (the judge knows)."""
+        self._precision = precision
+        """Tolerant mode: the code of the precision this rank's tolerances are for."""
 
     def row(
         self, s: int, done: Backward, own: OwnProbe | None, check_replicas: bool
@@ -60,7 +63,9 @@ class RowBuilder:
         view: LocalView | None = None
         if own is not None:
             view, distance, noise = self._verify_pair(s, own.payload)
-            row = dataclasses.replace(row, verified=True, pair_distance=distance, noise=noise)
+            row = dataclasses.replace(
+                row, verified=True, pair_distance=distance, noise=noise, precision=self._precision()
+            )
         # Read after the replay: an error there is this rank's failure too.
         return dataclasses.replace(row, failed=self._fail.failed), view
 

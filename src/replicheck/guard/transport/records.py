@@ -212,8 +212,11 @@ class StepRow(Generic[F, I]):
     """Replay-to-replay distance of this rank's own probe (tolerant-mode calibration)."""
     failed: bool = False
     """The rank raised an error inside the step (every rank then stops; that rank re-raises it)."""
+    precision: int = 0
+    """Tolerant mode, on a verification step: the code of the precision the rank's tolerances are
+    for (:func:`replicheck.guard.tolerance.code`; 0 otherwise)."""
 
-    WIDTH = 9
+    WIDTH = 10
     """Columns of the encoded row."""
 
     def encode(self, device: torch.device | None = None) -> torch.Tensor:
@@ -232,6 +235,7 @@ class StepRow(Generic[F, I]):
             (self.noise, True),
             (self.loss, True),
             (self.failed, False),
+            (self.precision, False),
         ]
         if device is None:
             device = next((v.device for v, _ in fields if isinstance(v, torch.Tensor)), torch.device("cpu"))
@@ -255,8 +259,9 @@ class StepRow(Generic[F, I]):
                 noise=bits_float(noise),
                 loss=bits_float(loss),
                 failed=bool(failed),
+                precision=precision,
             )
-            for norm, reduced, weights, opt, verified, pair, noise, loss, failed in rows.tolist()
+            for norm, reduced, weights, opt, verified, pair, noise, loss, failed, precision in rows.tolist()
         ]
 
 
