@@ -312,10 +312,10 @@ def default_scenarios() -> list[Scenario]:
             expect="undetected",
             **bf16,
             note=(
-                "documented limit: a 1% change of 8 values is below the floor tolerant mode states "
-                f"for bf16 in its start-up log ({_BF16.smallest_change()}); kernel noise moves bf16 "
-                "gradient values by 1-2 ulps, as much as the fault does (docs/results/soak-bf16.md). "
-                "Exact mode catches it: bf16-wgrad-1pct-exact"
+                "documented limit: for bf16 the guard's start-up log states the smallest change "
+                f"tolerant mode catches: {_BF16.smallest_change()}. A 1% change of 8 values is below "
+                "that floor: kernel noise moves bf16 gradient values by 1-2 ulps, as much as the "
+                "fault does (docs/results/soak-bf16.md). Exact mode catches it: bf16-wgrad-1pct-exact"
             ),
         ),
         Scenario(
