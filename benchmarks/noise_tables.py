@@ -70,8 +70,6 @@ SAFETY = 2.5
 """Floor = SAFETY × the largest noise measured (over every shape, cross-rank included)."""
 CEILING_RATIO = 2.5
 """Ceiling = CEILING_RATIO × the floor."""
-FP16_PROBE_SCALE = 2.0**16
-"""fp16 probes are scaled as the guard scales them under a GradScaler (its initial scale)."""
 LR = 1e-3
 TRAIN_BATCH = 4
 PROBE_RANK = 1_000
@@ -79,7 +77,7 @@ PROBE_RANK = 1_000
 
 DESCRIPTIONS = {
     "fp32": "fp32 parameters and compute (`lm`)",
-    "fp16_autocast": "fp16 autocast forward, fp32 parameters (`lm_fp16`; probe loss ×2^16 as a GradScaler's)",
+    "fp16_autocast": "fp16 autocast forward, fp32 parameters (`lm_fp16`), trained with a `GradScaler` whose current scale multiplies the probe's loss, as the guard's probes do",
     "bf16_autocast": "bf16 autocast forward, fp32 parameters (`lm_bf16`)",
     "bf16_params": "bf16 parameters (`model.to(torch.bfloat16)`), no autocast; loss on fp32 logits",
 }
@@ -139,6 +137,11 @@ class Precision:
     signal: dict[tuple[int, float], list[float]]
     """(block, factor) -> per pair the faulty pair's distance."""
     losses: list[float]
+    scaler: torch.amp.GradScaler | None = None
+    """fp16: the training's loss scaler (the probes are scaled by its current scale)."""
+    nonfinite: int = 0
+    """Probes a replay of which had non-finite gradients or loss (a loss-scale overflow, which
+    the guard tells apart from corruption and the scaler skips): not measured."""
 
 
 def _build(name: str, cfg: DecoderConfig, seed: int) -> Precision:
@@ -151,7 +154,8 @@ def _build(name: str, cfg: DecoderConfig, seed: int) -> Precision:
         install_noise(models, replica, rank=REPLICA_RANK.get(kind, 0))
         replicas[kind] = replica
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    return Precision(name, model, opt, replicas, {}, {}, [])
+    scaler = torch.amp.GradScaler("cpu") if name == "fp16_autocast" else None
+    return Precision(name, model, opt, replicas, {}, {}, [], scaler)
 
 
 def _sync(p: Precision) -> None:
@@ -166,8 +170,13 @@ def _train_step(p: Precision, cfg: DecoderConfig, step: int, seed: int) -> None:
     batch = synthetic_batch(cfg, step=step, rank=0, batch=TRAIN_BATCH, seed=seed)
     p.opt.zero_grad(set_to_none=True)
     loss = LOSSES[p.name](p.model, batch)
-    loss.backward()  # type: ignore[no-untyped-call]
-    p.opt.step()
+    if p.scaler is None:
+        loss.backward()  # type: ignore[no-untyped-call]
+        p.opt.step()
+    else:
+        p.scaler.scale(loss).backward()  # type: ignore[no-untyped-call]
+        p.scaler.step(p.opt)
+        p.scaler.update()
     p.losses.append(float(loss.detach()))
 
 
@@ -175,7 +184,7 @@ def _replay(
     p: Precision, replica: torch.nn.Module, sample: dict[str, torch.Tensor], seed: int
 ) -> tuple[float, list[torch.Tensor]]:
     """One probe pass as the guard runs it: the global RNG seeded, gradients by autograd.grad."""
-    weight = FP16_PROBE_SCALE if p.name == "fp16_autocast" else 1.0
+    weight = 1.0 if p.scaler is None else p.scaler.get_scale()
     torch.manual_seed(seed)
     loss = LOSSES[p.name](replica, sample)
     grads = torch.autograd.grad(loss * weight, list(replica.parameters()))
@@ -206,6 +215,13 @@ def _probe(
     runs = {
         kind: [_replay(p, p.replicas[kind], sample, pseed) for _ in range(n)] for kind, n in REPLAYS.items()
     }
+    if not all(
+        math.isfinite(loss) and all(bool(g.isfinite().all()) for g in gs)
+        for r in runs.values()
+        for loss, gs in r
+    ):
+        p.nonfinite += 1
+        return
     numel = runs["gaussian"][1][1][fault_index].numel()
     pos = int(torch.randint(0, numel - FAULT_VALUES + 1, (1,), generator=gen))
     for block in BLOCKS:
@@ -278,6 +294,7 @@ def summarize(precisions: Sequence[Precision]) -> dict[str, Any]:
                         block=block,
                         noise=noise,
                         pairs=len(dist),
+                        nonfinite=p.nonfinite,
                         zero_fraction=sum(d == 0 for d in dist) / len(dist),
                         **_quantiles(dist),
                         loss_max=max(loss for _, loss in pairs),
@@ -392,6 +409,18 @@ def markdown(result: dict[str, Any]) -> str:
             f"| {r['precision']} | {r['block']} | {r['noise']} | {r['pairs']:,} | {r['zero_fraction']:.2f} "
             f"| {_fmt(r['q50'])} | {_fmt(r['q99'])} | {_fmt(r['q99_9'])} | {_fmt(r['max'])} | {_fmt(r['loss_max'])} |"
         )
+    skipped = {r["precision"]: r["nonfinite"] for r in s["noise"]}
+    lines += [
+        "",
+        "Probes not measured because a replay had non-finite gradients (a loss-scale overflow, which "
+        "the guard tells apart from corruption and the scaler skips): "
+        + ", ".join(f"{name} {n}" for name, n in skipped.items())
+        + (
+            f" (the fp16 scaler's scale at the end: {cfg['fp16_scale_last']:g})."
+            if cfg.get("fp16_scale_last")
+            else "."
+        ),
+    ]
     lines += [
         "",
         "## Signal: a backward-only fault against a clean replay",
@@ -409,6 +438,29 @@ def markdown(result: dict[str, Any]) -> str:
             rows = [r for r in s["signal"] if r["precision"] == p and r["block"] == block]
             cells = " | ".join(f"{r['detected']:.2f} ({_fmt(r['median'])})" for r in rows)
             lines.append(f"| {p} | {block} | {_fmt(rows[0]['floor'])} | {cells} |")
+    largest = max(t.numel() for t in make_model(DecoderConfig(**cfg["model"])).parameters())
+    silent = [
+        f"{r['precision']}/{r['noise']}"
+        for r in s["noise"]
+        if r["zero_fraction"] == 1 and r["block"] == BLOCKS[0]
+    ]
+    lines += [
+        "",
+        "## Reading the tables",
+        "",
+        f"* The largest tensor of this model has {largest:,} values, so a block of {max(BLOCKS):,} "
+        + ("is the whole-tensor sketch here" if largest <= max(BLOCKS) else "splits only the largest tensors")
+        + "; in a model with larger tensors such a block is a slice of a tensor, as the smaller blocks "
+        "are here, and these figures do not carry over.",
+        "* Under autocast the final norm's output is fp32 (the residual stream stays fp32): a noise "
+        "model shows only when it changes how the head's input rounds to fp16/bf16, and then by whole "
+        "half-precision ulps (many pairs exactly zero, a long tail). With bf16 parameters the "
+        "output itself is bf16, whose ulp (2^-8 relative) swallows a 1e-6 relative change: the `ulp` "
+        "shape moves it, the additive shapes only on values near zero, the relative ones never.",
+        "* Rows with every pair exactly zero: " + (", ".join(f"`{x}`" for x in silent) or "none") + ".",
+        "* The floor must also cover the cross-rank rows: the guard's calibration replays a rank's own "
+        "probe on the same rank, so it never sees a constant per-rank difference.",
+    ]
     lines += [
         "",
         "## Recommended tolerant defaults",
@@ -430,7 +482,9 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def run(pairs: int, seed: int, precisions: Sequence[str], check: bool, progress: bool) -> dict[str, Any]:
+def run(
+    pairs: int, seed: int, precisions: Sequence[str], check: bool, progress: bool, raw: str | None = None
+) -> dict[str, Any]:
     torch.set_num_threads(1)
     cfg = campaign_model()
     t0 = time.perf_counter()
@@ -446,6 +500,18 @@ def run(pairs: int, seed: int, precisions: Sequence[str], check: bool, progress:
         if progress and (i + 1) % max(1, pairs // 20) == 0:
             print(f"{i + 1}/{pairs} probes, {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     seconds = time.perf_counter() - t0
+    if raw is not None:  # every pair's distances, for another look without another run
+        torch.save(
+            {
+                "noise": {
+                    f"{p.name}/{b}/{n}": torch.tensor(v) for p in states for (b, n), v in p.noise.items()
+                },
+                "signal": {
+                    f"{p.name}/{b}/{f}": torch.tensor(v) for p in states for (b, f), v in p.signal.items()
+                },
+            },
+            raw,
+        )
     params = list(states[0].model.parameters())
     config = dict(
         pairs=pairs,
@@ -468,7 +534,7 @@ def run(pairs: int, seed: int, precisions: Sequence[str], check: bool, progress:
         fault_numel=params[fault_index].numel(),
         safety=SAFETY,
         ceiling_ratio=CEILING_RATIO,
-        fp16_probe_scale=FP16_PROBE_SCALE,
+        fp16_scale_last=next((p.scaler.get_scale() for p in states if p.scaler is not None), None),
         lr=LR,
         train_batch=TRAIN_BATCH,
         loss_first={p.name: p.losses[0] for p in states},
@@ -497,12 +563,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tiny", action="store_true", help="a few pairs, two precisions (a test)")
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--raw", help="also save every pair's distances here (torch.save)")
     args = ap.parse_args(argv)
     if args.pairs < 1:
         ap.error("--pairs must be >= 1")
     pairs = min(args.pairs, 4) if args.tiny else args.pairs
     precisions = TINY_PRECISIONS if args.tiny else PRECISIONS
-    result = run(pairs, args.seed, precisions, check=args.tiny, progress=not args.no_progress)
+    result = run(pairs, args.seed, precisions, check=args.tiny, progress=not args.no_progress, raw=args.raw)
     result["mode"] = "tiny" if args.tiny else "full"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
