@@ -393,8 +393,8 @@ def markdown(result: dict[str, Any]) -> str:
         "",
         "On the CPU with one thread the kernels themselves are deterministic: without a noise model "
         "both replays agree bit for bit, so these figures are the simulated noise as it propagates "
-        "through the model and the sketch. The noise on a GPU's own kernels is measured by "
-        "`benchmarks/gpu_check.py`, not here.",
+        "through the model and the sketch. A GPU's own kernels are not measured here "
+        "(`benchmarks/gpu_check.py` records a tolerant bf16 run's largest pair distance on one).",
         "",
         "## Noise: distance between two clean replays",
         "",
