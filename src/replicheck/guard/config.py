@@ -94,7 +94,7 @@ class GuardConfig:
     noise tables (4096 for fp32, 256 for fp16 and bf16; :mod:`replicheck.guard.tolerance`)."""
     tolerance_floor: float | None = None
     """Tolerant mode: lowest relative threshold (difference / block norm) that may alarm: the
-    smallest change tolerant mode can catch. ``None``: chosen by ``precision`` (1e-4 fp32, 0.03
+    smallest change tolerant mode can catch. ``None``: chosen by ``precision`` (1e-4 fp32, 0.02
     fp16, 0.08 bf16), a safety factor over the largest noise measured for it; a value below that
     noise is accepted with a warning."""
     tolerance_ceiling: float | None = None
