@@ -66,3 +66,12 @@ def test_plan_covers_both_precisions_and_the_bias() -> None:
         dataclasses.replace(r.spec).guard == GuardConfig(verify_every=10, weights_every=10, mode="tolerant")
         for r in plan
     )
+
+
+@pytest.mark.timeout(120)
+def test_ranks_in_different_precisions_are_a_misuse_on_every_rank() -> None:
+    """One rank in fp32 among bf16 ranks: GuardMisuseError on every rank at the first
+    verification, naming each rank's precision; never an incident."""
+    spec = JobSpec(model=MODEL, batch=2, steps=3, guard=GuardConfig(verify_every=1, mode="tolerant"))
+    seen = run_local(tr.mixed_precisions, node_names(3, 1), args=(spec,), timeout=100)
+    assert all(s.startswith("GuardMisuseError") and "rank 1: fp32" in s for s in seen), seen

@@ -66,3 +66,13 @@ def runs(ctx: RankContext, plan: list[Run]) -> list[Outcome]:
             )
         )
     return out
+
+
+def mixed_precisions(ctx: RankContext, spec: JobSpec) -> str:
+    """Rank 1 trains in fp32 while the others use bf16 autocast; returns what the step raised."""
+    loss: JobLoss = "lm" if ctx.rank == 1 else "lm_bf16"
+    try:
+        result = train(ctx, JobSpec(**{**spec.__dict__, "loss": loss}))
+    except Exception as exc:  # noqa: BLE001 - the test reads which error every rank saw
+        return f"{type(exc).__name__}: {exc}"
+    return f"no error; incident {result.incident and result.incident['check']}"
