@@ -63,9 +63,10 @@ def test_bf16_sparse_backward_only_fault_caught_by_the_per_block_sketch() -> Non
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(3 * 3600)
-def test_bf16_soak_no_false_alarm_in_10000_pairs() -> None:
-    """10,000 clean verification pairs under bf16 autocast and every noise shape: no false alarm."""
-    result = run_soak(bf16_soak(SoakConfig(pairs=10_000)))
-    assert result.verification_pairs >= 10_000
+@pytest.mark.timeout(4 * 3600)
+def test_bf16_soak_no_false_alarm_in_100000_pairs() -> None:
+    """100,000 clean verification pairs under bf16 autocast, every noise shape and the guard's
+    default tolerances: no false alarm (about 45 minutes on 2 cores; docs/results/soak-bf16.md)."""
+    result = run_soak(bf16_soak(SoakConfig(pairs=100_000)))
+    assert result.verification_pairs >= 100_000
     assert result.false_alarms == 0, result.incident
