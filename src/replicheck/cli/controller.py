@@ -121,6 +121,12 @@ def _run(args: argparse.Namespace) -> int:
     if args.watch:
         config = config.with_overrides(incident_dirs=tuple(config.incident_dirs) + tuple(args.watch))
     db = db_path(args)
+    from replicheck.controller.lease import Lease
+
+    # The lease comes before any write (migrations, the local backend's tables, the settings):
+    # a second controller on this database changes nothing before it is refused.
+    lease = Lease(db)
+    lease.acquire()
     backend = make_backend(settings, db)
 
     failed: list[str] = []
@@ -133,7 +139,7 @@ def _run(args: argparse.Namespace) -> int:
             flush=True,
         )
 
-    with Controller(db, backend=backend, config=config, on_transition=show) as ctl:
+    with Controller(db, backend=backend, config=config, on_transition=show, lease=lease) as ctl:
         with ctl.store.transaction():
             ctl.store.set_meta("settings", settings_to_json(settings))
         status = ingest_files(ctl, args.incident)
@@ -156,16 +162,11 @@ def _run(args: argparse.Namespace) -> int:
 
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, halt)
-        server = _start_http(args, db, config, applies=config.apply, on_change=wake.set)
+        server = _start_http(
+            args, db, config, applies=config.apply, on_change=wake.set, liveness=ctl.liveness
+        )
         try:
-            passes = 0
-            while not stop.is_set():
-                wake.clear()
-                ctl.reconcile()
-                passes += 1
-                if max_passes is not None and passes >= max_passes:
-                    break
-                wake.wait(config.poll_interval_s)
+            ctl.run(stop, max_passes=max_passes, wake=wake)
         finally:
             server.stop()
         return _outcome(ctl, status, failed)
@@ -236,7 +237,13 @@ def serve_database(args: argparse.Namespace) -> int:
 
 
 def _start_http(
-    args: argparse.Namespace, db: str, config: Any, *, applies: bool | None, on_change: Any
+    args: argparse.Namespace,
+    db: str,
+    config: Any,
+    *,
+    applies: bool | None,
+    on_change: Any,
+    liveness: Any = None,
 ) -> Any:
     """Build the app from the token files and start it; prints where it listens."""
     from replicheck.controller.errors import ConfigError
