@@ -20,6 +20,8 @@ from typing import Any
 
 from replicheck.controller.errors import ConfigError
 
+ACCEPT_BACKLOG = 64
+"""Listen queue, and connections accepted in one go before the cap is applied."""
 DESCRIPTOR_RESERVE = 128
 """File descriptors left to everything but client connections (database, backend, log files)."""
 
@@ -61,7 +63,7 @@ class ServerLimits:
         soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
         if soft == resource.RLIM_INFINITY:
             return self.max_connections
-        return max(1, min(self.max_connections, (soft - DESCRIPTOR_RESERVE) // 2))
+        return max(1, min(self.max_connections, (soft - DESCRIPTOR_RESERVE - ACCEPT_BACKLOG) // 2))
 
 
 def _bounded_protocol(limits: ServerLimits) -> type[Any]:
@@ -157,6 +159,9 @@ class BackgroundServer:
             lifespan="off",
             timeout_graceful_shutdown=5,
             http=_bounded_protocol(limits),
+            # asyncio accepts up to `backlog` connections per wake-up before any is looked at: a
+            # short queue keeps one burst from taking every descriptor left.
+            backlog=ACCEPT_BACKLOG,
             timeout_keep_alive=max(1, round(limits.keep_alive_s)),
             # uvicorn believes X-Forwarded-For from 127.0.0.1 by default: only when configured here.
             proxy_headers=bool(limits.trusted_proxies),
