@@ -241,3 +241,30 @@ def test_post_incident_never_raises(tmp_path: Path) -> None:
     result = post_incident(make_incident(), config, sleep=lambda _: None)
     assert not result.delivered and result.fallback_path is None
     assert result.error is not None and "fallback" in result.error
+
+
+def test_metrics_do_not_load_stored_content(tmp_path: Path) -> None:
+    """A scrape counts with SQL instead of loading rows: with 40 rejected inputs of 1 MiB each and
+    an incident whose stored body no longer parses, collecting allocates well under their size
+    and does not fail (the old code loaded every body and rejected file, and raised on the bad one)."""
+    import tracemalloc
+
+    from replicheck.controller import Controller
+    from replicheck.controller.http.metrics import StoreCollector
+
+    db = tmp_path / "ctl.db"
+    cluster(db)
+    with Controller(db) as ctl:
+        ctl.ingest(make_incident())
+        with ctl.store.transaction():
+            for i in range(40):
+                ctl.store.reject(f"junk-{i}", "invalid", bytes([i]) * (1 << 20), "2025-01-01T00:00:00+00:00")
+            ctl.store.connection.execute("UPDATE incidents SET body='{broken'")
+    tracemalloc.start()
+    try:
+        families = {m.name: m for m in StoreCollector(db).collect()}
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert families["replicheck_rejected_inputs"].samples[0].value == 40
+    assert peak < 8 * (1 << 20), peak
