@@ -59,6 +59,8 @@ JOB_ID = re.compile(
 )
 """A job id (a Slurm id such as ``123``, ``123_4``, ``123+0``, a name given to the guard, or a
 Kubernetes ``namespace/name``: at most one ``/``, each side starting with a letter or digit)."""
+INCIDENT_ID_MAX = 320
+"""Longest incident id, in characters."""
 INCIDENT_ID = re.compile(r"(?=.{1,320}\Z)[A-Za-z0-9][A-Za-z0-9._:+-]*(?:/[A-Za-z0-9][A-Za-z0-9._:+-]*)?")
 """An incident id (``<job>-s<step>-<check>``; one ``/`` where the job id has one)."""
 CHECKPOINT_PATH = re.compile(r"[^\x00-\x1f\x7f-\x9f-][^\x00-\x1f\x7f-\x9f]{0,4095}")
@@ -71,8 +73,25 @@ MAX_TIME_SKEW = _dt.timedelta(days=366)
 """An incident's time may be at most this far in the future of the reader's clock."""
 
 
+MAX_INT = 2**63 - 1
+"""Largest magnitude of any integer anywhere in an incident (SQLite and most readers: 64 bits)."""
+NON_FINITE = ("NaN", "Infinity", "-Infinity")
+"""The one policy for non-finite numbers, on every path in (a file, an HTTP body,
+``Controller.ingest``): they are kept as these strings, so a diverged loss is not lost and every
+JSON the controller stores and prints is strict."""
+
+
 class IncidentFormatError(ValueError):
     """A record is not a valid incident of a version this code understands."""
+
+
+class IncidentJSONError(IncidentFormatError):
+    """The input is not JSON at all (syntax, encoding, nesting too deep to parse)."""
+
+
+class IncidentNotYetValidError(IncidentFormatError):
+    """The incident's ``time`` is too far ahead of the reader's clock: it may become valid once
+    either clock is right, so a file is read again rather than given up."""
 
 
 @dataclass(frozen=True)
@@ -214,22 +233,55 @@ class Incident:
         NaN and Infinity (non-standard JSON a writer may emit for a diverged loss) are kept
         as the strings ``"NaN"``, ``"Infinity"``, ``"-Infinity"`` so every output stays strict JSON.
         """
-        try:
-            data = json.loads(text, parse_constant=str)
-        except RecursionError as exc:
-            raise IncidentFormatError("incident is nested too deeply to parse") from exc
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise IncidentFormatError(f"incident is not valid JSON: {exc}") from exc
-        _check_plain(data)
-        incident = cls.from_dict(data)
+        incident = cls.from_dict(load_json(text))
         validate_incident(incident)
         return incident
 
 
+def load_json(text: str | bytes) -> Any:
+    """The one JSON reader for incidents, from files and HTTP bodies alike: non-finite numbers
+    become the strings of :data:`NON_FINITE`, duplicate keys are refused, and the result is
+    checked for nesting depth, 64-bit integers and storable strings.
+
+    Raises IncidentJSONError when the input is not JSON, IncidentFormatError when it is JSON
+    that no incident may hold."""
+    try:
+        data = json.loads(text, parse_constant=str, object_pairs_hook=_unique_keys)
+    except IncidentFormatError:
+        raise
+    except RecursionError as exc:
+        raise IncidentJSONError("incident is nested too deeply to parse") from exc
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise IncidentJSONError(f"incident is not valid JSON: {exc}") from exc
+    _check_plain(data)
+    return data
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    data = dict(pairs)
+    if len(data) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise IncidentFormatError(
+                    f"duplicate key {_short(key)} in a JSON object (which copy counts is ambiguous)"
+                )
+            seen.add(key)
+    return data
+
+
 def validate_incident(incident: Incident, *, now: _dt.datetime | None = None) -> None:
     """Check ``incident`` against the ingest grammar (module constants above); raise
-    IncidentFormatError naming the first violation. What the controller acts on passed this."""
+    IncidentFormatError naming the first violation. What the controller acts on passed this.
+
+    Every path in runs it (files, HTTP bodies, ``Controller.ingest``), so evidence and the
+    checkpoint are checked here too: nesting, 64-bit integers, storable strings."""
     _match(INCIDENT_ID, incident.id, "id")
+    if not isinstance(incident.evidence, Mapping):
+        raise IncidentFormatError("field 'evidence' must be an object")
+    _check_plain(incident.evidence, 1)
+    if incident.recommended_checkpoint is not None:
+        _check_plain(incident.recommended_checkpoint, 1)
     _match(JOB_ID, incident.job_id, "job_id")
     for number, name in (
         (incident.step, "step"),
@@ -267,9 +319,17 @@ def validate_incident(incident: Incident, *, now: _dt.datetime | None = None) ->
     when = _dt.datetime.fromisoformat(incident.time)
     if when.utcoffset() is None:
         raise IncidentFormatError(f"field 'time' needs a UTC offset: {incident.time!r}")
-    reference = now or _dt.datetime.now(_dt.UTC)
+    reference = now or _reader_clock()
     if when - reference > MAX_TIME_SKEW:
-        raise IncidentFormatError(f"field 'time' is too far in the future: {incident.time!r}")
+        raise IncidentNotYetValidError(
+            f"not yet valid: field 'time' {incident.time!r} is more than {MAX_TIME_SKEW.days} days ahead "
+            f"of this reader's clock ({utc_iso(reference)}); a file is read again until it is valid"
+        )
+
+
+def _reader_clock() -> _dt.datetime:
+    # One place for "now" of the time check (tests move it to play a clock that was wrong).
+    return _dt.datetime.now(_dt.UTC)
 
 
 def _match(pattern: re.Pattern[str], value: str, what: str) -> None:
@@ -278,33 +338,36 @@ def _match(pattern: re.Pattern[str], value: str, what: str) -> None:
         raise IncidentFormatError(f"{what} {shown!r} does not match the incident grammar ({pattern.pattern})")
 
 
-def _check_plain(data: Any) -> None:
+def _check_plain(data: Any, start: int = 0) -> None:
     # Iterative walk: bounded depth (asdict and json recurse) and strings SQLite can store.
-    stack: list[tuple[Any, int]] = [(data, 0)]
+    stack: list[tuple[Any, int]] = [(data, start)]
     while stack:
         value, depth = stack.pop()
         if isinstance(value, str):
             _encodable(value)
-        elif isinstance(value, (dict, list)):
+        elif isinstance(value, (Mapping, list, tuple)):
             if depth >= MAX_EVIDENCE_DEPTH:
                 raise IncidentFormatError(f"incident is nested deeper than {MAX_EVIDENCE_DEPTH} levels")
-            if isinstance(value, dict):
+            if isinstance(value, Mapping):
                 for key, item in value.items():
-                    _encodable(key)
+                    if isinstance(key, str):
+                        _encodable(key)
+                    elif not (key is None or isinstance(key, (bool, int, float))):
+                        raise IncidentFormatError(f"object key {_short(key)} is not a JSON key")
                     stack.append((item, depth + 1))
             else:
                 stack.extend((item, depth + 1) for item in value)
-        elif isinstance(value, int) and not isinstance(value, bool) and abs(value) > 2**63 - 1:
+        elif isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT:
             raise IncidentFormatError("an integer in the incident does not fit in 64 bits")
+        elif not (value is None or isinstance(value, (bool, int, float))):
+            raise IncidentFormatError(f"a value of type {type(value).__name__} is not JSON")
 
 
 def _encodable(text: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise IncidentFormatError(
-            "incident holds a string that is not valid Unicode (lone surrogate)"
-        ) from exc
+        raise IncidentJSONError("incident holds a string that is not valid Unicode (lone surrogate)") from exc
 
 
 def json_safe(value: Any) -> Any:

@@ -127,6 +127,9 @@ def post_incident(
         try:
             with urllib.request.urlopen(request, timeout=config.timeout_s) as response:
                 return PostResult(True, made, status=response.status)
+        except ValueError as exc:  # a URL urllib cannot use: no retry will help
+            error = f"cannot post to {endpoint}: {exc}"
+            break
         except urllib.error.HTTPError as exc:
             status = exc.code
             error = f"HTTP {exc.code}: {_message(exc)}"
@@ -142,7 +145,13 @@ def post_incident(
             if retry_after is not None:
                 delay = max(delay, min(retry_after, config.max_delay_s))
             sleep(delay)
-    fallback = write_incident(incident, config.fallback_dir) if config.fallback_dir else None
+    fallback = None
+    if config.fallback_dir:
+        try:
+            fallback = write_incident(incident, config.fallback_dir)
+        except (OSError, ValueError) as exc:
+            # Both ways out failed: say so in the result (the caller still holds the incident).
+            error = f"{error}; fallback {config.fallback_dir} not written either: {exc}"
     return PostResult(False, made, status=status, error=error, fallback_path=fallback)
 
 

@@ -5,6 +5,7 @@ also writes it there, which is how docs/http-approval-page.png is made)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 from collections.abc import Iterator
@@ -138,3 +139,33 @@ def test_dismiss_with_shared_token_and_refused_token(live: Live, page: Any) -> N
     assert "dismiss requested" in page.inner_text("#audit")
     with live.controller() as ctl:
         assert ctl.store.get_record(inc.id).dismissed_by == "bob"
+
+
+def test_detail_view_reset_for_odd_evidence(live: Live, page: Any) -> None:
+    """Opening an incident whose evidence has `null` pairs after a normal one never leaves the
+    first incident's tables (or its Approve button) under the second heading; evidence that looks
+    like markup is shown as text. On the old code the drawing stopped half way at the null pair."""
+    first = make_incident(job="train-1")
+    odd = dataclasses.replace(
+        make_incident(job="train-2"),
+        evidence={"replay": {"pairs": [None, {"source": "<img src=x onerror=alert(1)>", "agree": False}]}},
+    )
+    for inc in (first, odd):
+        assert call(live.url, "POST", "/api/v1/incidents", inc.to_json(), token=JOB_TOKEN).status == 201
+    with live.controller() as ctl:
+        ctl.reconcile()
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(live.url + "/")
+    page.fill("#token", ALICE_TOKEN)
+    page.click("#signin button[type=submit]")
+    page.locator(f"#list a[data-incident='{first.id}']").click()
+    page.wait_for_selector(f"#incident-id:has-text('{first.id}')")
+    assert "n3" in page.inner_text("#pairs")  # the first incident's verifier node
+    page.locator(f"#list a[data-incident='{odd.id}']").click()
+    page.wait_for_selector(f"#incident-id:has-text('{odd.id}')")
+    page.wait_for_selector("#decision:not([hidden])")
+    pairs = page.inner_text("#pairs")
+    assert "n3" not in pairs and "<img src=x onerror=alert(1)>" in pairs
+    assert page.locator("#pairs img").count() == 0
+    assert errors == []

@@ -90,6 +90,41 @@ def _add_http_options(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="refuse larger request bodies with 413 (default: 1 MiB)",
     )
+    parser.add_argument(
+        "--max-connections",
+        type=int,
+        default=None,
+        metavar="N",
+        help="client connections open at once (default 256, at most half the descriptor limit); "
+        "an idle one is closed to make room",
+    )
+    parser.add_argument(
+        "--header-timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help="close a connection that has not sent its request headers within S seconds (default 10)",
+    )
+    parser.add_argument(
+        "--requests-per-minute",
+        type=int,
+        default=None,
+        metavar="N",
+        help="requests one token may make a minute, else 429 (default 600; 0: no limit)",
+    )
+    parser.add_argument(
+        "--incidents-per-day",
+        type=int,
+        default=None,
+        metavar="N",
+        help="new incidents one job token may store in 24 h, else 429 (default 1000; 0: no quota)",
+    )
+    parser.add_argument(
+        "--trusted-proxy",
+        default=None,
+        metavar="ADDR[,ADDR...]",
+        help="reverse proxies whose X-Forwarded-For is believed (default: none; the peer address is recorded)",
+    )
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -121,6 +156,12 @@ def _run(args: argparse.Namespace) -> int:
     if args.watch:
         config = config.with_overrides(incident_dirs=tuple(config.incident_dirs) + tuple(args.watch))
     db = db_path(args)
+    from replicheck.controller.lease import Lease
+
+    # The lease comes before any write (migrations, the local backend's tables, the settings):
+    # a second controller on this database changes nothing before it is refused.
+    lease = Lease(db)
+    lease.acquire()
     backend = make_backend(settings, db)
 
     failed: list[str] = []
@@ -133,7 +174,7 @@ def _run(args: argparse.Namespace) -> int:
             flush=True,
         )
 
-    with Controller(db, backend=backend, config=config, on_transition=show) as ctl:
+    with Controller(db, backend=backend, config=config, on_transition=show, lease=lease) as ctl:
         with ctl.store.transaction():
             ctl.store.set_meta("settings", settings_to_json(settings))
         status = ingest_files(ctl, args.incident)
@@ -156,16 +197,11 @@ def _run(args: argparse.Namespace) -> int:
 
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, halt)
-        server = _start_http(args, db, config, applies=config.apply, on_change=wake.set)
+        server = _start_http(
+            args, db, config, applies=config.apply, on_change=wake.set, liveness=ctl.liveness
+        )
         try:
-            passes = 0
-            while not stop.is_set():
-                wake.clear()
-                ctl.reconcile()
-                passes += 1
-                if max_passes is not None and passes >= max_passes:
-                    break
-                wake.wait(config.poll_interval_s)
+            ctl.run(stop, max_passes=max_passes, wake=wake)
         finally:
             server.stop()
         return _outcome(ctl, status, failed)
@@ -236,7 +272,13 @@ def serve_database(args: argparse.Namespace) -> int:
 
 
 def _start_http(
-    args: argparse.Namespace, db: str, config: Any, *, applies: bool | None, on_change: Any
+    args: argparse.Namespace,
+    db: str,
+    config: Any,
+    *,
+    applies: bool | None,
+    on_change: Any,
+    liveness: Any = None,
 ) -> Any:
     """Build the app from the token files and start it; prints where it listens."""
     from replicheck.controller.errors import ConfigError
@@ -246,6 +288,7 @@ def _start_http(
             BackgroundServer,
             HttpConfig,
             Role,
+            ServerLimits,
             create_app,
             parse_address,
             read_token_file,
@@ -261,12 +304,23 @@ def _start_http(
     tokens += read_token_file(operator_file, Role.OPERATOR)
     if job_file:
         tokens += read_token_file(job_file, Role.JOB)
-    options = {} if args.max_body_bytes is None else {"max_body_bytes": args.max_body_bytes}
+    chosen = {
+        "max_body_bytes": args.max_body_bytes,
+        "requests_per_minute": args.requests_per_minute,
+        "incidents_per_day": args.incidents_per_day,
+    }
+    options = {k: v for k, v in chosen.items() if v is not None}
     app = create_app(
         HttpConfig(db_path=db, tokens=tuple(tokens), controller=config, applies=applies, **options),
         on_change=on_change,
+        liveness=liveness,
     )
-    server = BackgroundServer(app, host, port).start()
+    door = {"max_connections": args.max_connections, "header_timeout_s": args.header_timeout}
+    limits = ServerLimits(
+        **{k: v for k, v in door.items() if v is not None},
+        trusted_proxies=tuple(p.strip() for p in (args.trusted_proxy or "").split(",") if p.strip()),
+    )
+    server = BackgroundServer(app, host, port, limits=limits).start()
     print(
         f"approval page: {server.url}/  (API: {server.url}/api/v1, description: {server.url}/openapi.json, "
         f"metrics: {server.url}/metrics)",

@@ -74,11 +74,13 @@ def _list(args: argparse.Namespace) -> int:
             print("no incidents", file=sys.stderr)
         for r in records:
             print(record_line(r))
-        rejected = len(ctl.store.rejected_rows())
+        rejected = ctl.store.count("SELECT COUNT(*) FROM rejected")
         if rejected:
             print(
                 f"({rejected} rejected input(s); see: replicheck incidents list --rejected)", file=sys.stderr
             )
+        for table, key, reason, at in ctl.store.quarantined():
+            print(esc(f"quarantined ({table}) {key}: {reason} (since {at})"), file=sys.stderr)
     return 0
 
 

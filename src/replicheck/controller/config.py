@@ -44,6 +44,15 @@ class ControllerConfig:
     """Resume without a replaced node (keeping it excluded) if it is not back after this long."""
     poll_interval_s: float = 5.0
     """Pause between two reconcile passes of ``controller run``."""
+    db_busy_timeout_s: float = 30.0
+    """How long one database statement waits for another process's lock before the pass gives
+    up (and is retried after a back-off)."""
+    error_backoff_max_s: float = 60.0
+    """Longest pause after a pass failed for a reason outside the controller (database locked,
+    disk full, out of file descriptors): the pause starts at ``poll_interval_s`` and doubles."""
+    liveness_window_s: float = 60.0
+    """``/healthz`` fails when the acting loop's last completed pass is older than this (or than
+    three poll intervals, whichever is longer)."""
     incident_dirs: tuple[str, ...] = ()
     """Directories watched for incident files (the jobs' ``incident_dir``)."""
     drain_reason: str = "replicheck: suspected silent data corruption"
@@ -65,6 +74,9 @@ class ControllerConfig:
             "return_poll_s",
             "return_timeout_s",
             "poll_interval_s",
+            "db_busy_timeout_s",
+            "error_backoff_max_s",
+            "liveness_window_s",
         ):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:

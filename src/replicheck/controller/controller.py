@@ -10,7 +10,9 @@ import logging
 import os
 import pwd
 import re
+import sqlite3
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,12 +21,18 @@ from replicheck.controller import ingest as _ingest
 from replicheck.controller import model
 from replicheck.controller.backends.base import Backend, NodeInfo
 from replicheck.controller.config import ControllerConfig
-from replicheck.controller.errors import ConfigError, DecisionConflictError
+from replicheck.controller.errors import (
+    ConfigError,
+    DecisionConflictError,
+    LeaseHeldError,
+    QuarantinedError,
+    StoreError,
+)
 from replicheck.controller.executor import Deferred, Executor, Skipped
 from replicheck.controller.lease import Lease
 from replicheck.controller.machine import initial_record, transition
 from replicheck.controller.store import ActionRow, AuditRow, IncidentRow, Store
-from replicheck.incident import Incident, IncidentFormatError, validate_incident
+from replicheck.incident import INCIDENT_ID_MAX, Incident, IncidentFormatError, json_safe, validate_incident
 from replicheck.timefmt import utc_iso_us
 
 MAX_ROUNDS = 50
@@ -74,14 +82,25 @@ class Controller:
         *,
         on_transition: Callable[[model.Transition], None] | None = None,
         clock: Callable[[], _dt.datetime] | None = None,
+        lease: Lease | None = None,
     ) -> None:
         self.db_path = Path(db_path)
         self.config = config or ControllerConfig()
-        self.store = Store(self.db_path)
+        # A lease taken by the caller before anything is written (``controller run``) is used as is.
+        self.lease = lease or Lease(self.db_path)
+        self.store = Store(self.db_path, busy_timeout_s=self.config.db_busy_timeout_s)
         self._backend = backend
         self._on_transition = on_transition
         self._clock = clock or (lambda: _dt.datetime.now(_dt.UTC))
-        self.lease = Lease(self.db_path)
+        self.last_pass_at: str | None = None
+        """Wall-clock time of the last completed reconcile pass of this process."""
+        self.last_pass_monotonic: float | None = None
+        """The same on the monotonic clock (what liveness is judged by: clock jumps do not fool it)."""
+        self.last_error: str | None = None
+        """Why the latest pass failed, while passes keep failing (None after a completed one)."""
+        self.failed_passes = 0
+        """Passes failed in a row (the back-off doubles with each)."""
+        self._started = time.monotonic()
 
     @property
     def backend(self) -> Backend:
@@ -115,6 +134,14 @@ class Controller:
             except (ValueError, TypeError, RecursionError):
                 content = b""
             return self._ingest_parsed(_ingest.Parsed(source, content, error=str(exc)))
+        # Non-finite numbers are kept as strings on every path in (replicheck.incident.NON_FINITE).
+        incident = dataclasses.replace(
+            incident,
+            evidence=json_safe(incident.evidence),
+            recommended_checkpoint=None
+            if incident.recommended_checkpoint is None
+            else json_safe(incident.recommended_checkpoint),
+        )
         now = self._now()
         with self.store.transaction():
             new, merge = self.store.add_incident(incident, source, now)
@@ -139,7 +166,7 @@ class Controller:
                 # Same id, other content (e.g. two jobs without a job id): a distinct incident,
                 # stored under an id derived from its content; never merged into the first.
                 digest = hashlib.sha256(incident.to_json().encode()).hexdigest()[:12]
-                distinct = dataclasses.replace(incident, id=f"{incident.id}+{digest}")
+                distinct = dataclasses.replace(incident, id=derived_id(incident.id, digest))
                 self.store.audit(
                     now,
                     self.config.actor,
@@ -205,6 +232,7 @@ class Controller:
         Takes the database's lease first (held until :meth:`close`): while another controller
         holds it this raises LeaseHeldError and does nothing."""
         self.lease.acquire()
+        self._clamp_future()
         for directory in self.config.incident_dirs:
             self.ingest_dir(directory)
         made: list[model.Transition] = []
@@ -214,24 +242,125 @@ class Controller:
                 if record.state in model.TERMINAL:
                     continue
                 before = record
-                after = self._apply(record.incident_id, self._tick(), self.config.actor, made)
+                try:
+                    after = self._apply(record.incident_id, self._tick(), self.config.actor, made)
+                except Exception as exc:
+                    if is_world_error(exc):
+                        raise
+                    # This record cannot be advanced (damaged, or a state this build cannot
+                    # handle): set it aside; the others go on.
+                    self.store.quarantine("records", record.incident_id, f"cannot advance: {_brief(exc)}")
+                    continue
                 progressed |= after != before
             for row in self.store.due_actions(self._now()):
-                progressed |= self._execute(row, made)
+                try:
+                    progressed |= self._execute(row, made)
+                except Exception as exc:
+                    if is_world_error(exc):
+                        raise
+                    self._defer_unexpected(row, exc)
             if not progressed:
                 break
+        now = self._now()
+        with self.store.transaction():
+            self.store.set_meta("last_pass_at", now)
+        self.last_pass_at, self.last_pass_monotonic = now, time.monotonic()
+        self.last_error, self.failed_passes = None, 0
         return made
 
-    def run(self, stop: threading.Event | None = None, max_passes: int | None = None) -> None:
-        """Reconcile every ``poll_interval_s`` until ``stop`` is set (or ``max_passes`` ran)."""
+    def run(
+        self,
+        stop: threading.Event | None = None,
+        max_passes: int | None = None,
+        *,
+        wake: threading.Event | None = None,
+    ) -> None:
+        """Reconcile every ``poll_interval_s`` until ``stop`` is set (or ``max_passes`` ran);
+        ``wake`` set by another thread starts the next pass at once.
+
+        A pass that fails for a reason outside the controller (database locked, disk full, no
+        file descriptor left, a backend library's bug) is logged and retried after a back-off
+        that doubles up to ``error_backoff_max_s``; the loop itself never ends on it. Only
+        another controller's lease ends it (LeaseHeldError), and with ``max_passes`` the last
+        pass's error is raised."""
         stop = stop or threading.Event()
         passes = 0
         while not stop.is_set():
-            self.reconcile()
+            if wake is not None:
+                wake.clear()
+            pause = self.config.poll_interval_s
+            try:
+                self.reconcile()
+            except LeaseHeldError:
+                raise
+            except Exception as exc:
+                pause = self._pass_failed(exc)
+                if max_passes is not None and passes + 1 >= max_passes:
+                    raise
             passes += 1
             if max_passes is not None and passes >= max_passes:
                 return
-            stop.wait(self.config.poll_interval_s)
+            (wake or stop).wait(pause)
+
+    def liveness(self) -> dict[str, object]:
+        """Whether this process's acting loop completed a pass recently (for ``/healthz``)."""
+        window = max(self.config.liveness_window_s, 3 * self.config.poll_interval_s)
+        since = self._started if self.last_pass_monotonic is None else self.last_pass_monotonic
+        age = time.monotonic() - since
+        return {
+            "acting": True,
+            "last_pass_at": self.last_pass_at,
+            "seconds_since_last_pass": None if self.last_pass_monotonic is None else round(age, 3),
+            "recent": age <= window,  # (a process just started has a window for its first pass)
+            "window_s": window,
+            "failed_passes": self.failed_passes,
+            "last_error": self.last_error,
+        }
+
+    def _pass_failed(self, exc: Exception) -> float:
+        self.failed_passes += 1
+        self.last_error = _brief(exc)
+        base = max(self.config.poll_interval_s, 0.05)
+        pause = float(min(self.config.error_backoff_max_s, base * 2 ** min(self.failed_passes - 1, 20)))
+        if is_world_error(exc):
+            log.warning(
+                "reconcile pass failed (%d in a row), retrying in %.3g s: %s",
+                self.failed_passes,
+                pause,
+                self.last_error,
+            )
+        else:
+            log.error(
+                "reconcile pass failed (%d in a row), retrying in %.3g s",
+                self.failed_passes,
+                pause,
+                exc_info=exc,
+            )
+        return pause
+
+    def _defer_unexpected(self, row: ActionRow, exc: Exception) -> None:
+        # A backend raised something it should not have: treated as temporary, backed off.
+        log.error("action %s raised unexpectedly; deferred", row.key, exc_info=exc)
+        delay = min(self.config.retry_max_delay_s, max(self.config.retry_base_delay_s, 1.0))
+        now = self._clock()
+        note = f"unexpected error ({_brief(exc)}); retrying in {delay:g}s"
+        with self.store.transaction():
+            self.store.defer_action(row.key, note, utc_iso_us(now + _dt.timedelta(seconds=delay)))
+            if note != row.last_error:
+                self.store.audit(utc_iso_us(now), self.config.actor, row.kind.value, note, row.incident_id)
+
+    def _clamp_future(self) -> None:
+        """Timestamps stored while the clock ran ahead are brought back to now, so a replacement
+        done then counts for one window from now (not until the wrong date) and a retry set then
+        is not put off for as long as the clock was wrong."""
+        now = self._clock()
+        latest = utc_iso_us(now + _dt.timedelta(seconds=self._longest_wait()))
+        with self.store.transaction():
+            self.store.clamp_future(utc_iso_us(now), latest)
+
+    def _longest_wait(self) -> float:
+        c = self.config
+        return max(c.retry_max_delay_s, c.return_poll_s, c.poll_interval_s) + 1.0
 
     def _tick(self) -> model.Tick:
         now = self._clock()
@@ -406,6 +535,32 @@ class Controller:
 
     def _now(self) -> str:
         return utc_iso_us(self._clock())
+
+
+WORLD_SQLITE_ERRORS = (sqlite3.OperationalError,)
+"""SQLite errors that come from the world (locked, disk full, cannot open, I/O), not from a row."""
+
+
+def is_world_error(exc: BaseException) -> bool:
+    """A failure outside the controller's data: retried after a back-off, never fatal."""
+    if isinstance(exc, QuarantinedError):
+        return False
+    return (
+        isinstance(exc, (OSError, MemoryError, StoreError, *WORLD_SQLITE_ERRORS))
+        or type(exc) is sqlite3.DatabaseError
+    )
+
+
+def derived_id(incident_id: str, digest: str) -> str:
+    """``ID+DIGEST`` for a copy that differs from the stored incident, shortened so it still
+    fits the id grammar (a long id loses its tail, never the digest that tells copies apart)."""
+    suffix = f"+{digest}"
+    return incident_id[: INCIDENT_ID_MAX - len(suffix)].rstrip("/") + suffix
+
+
+def _brief(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return f"{type(exc).__name__}: {text[:300]}"
 
 
 def _storable(text: str) -> str:

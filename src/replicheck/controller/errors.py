@@ -16,6 +16,11 @@ class StoreError(ControllerError):
     """The SQLite store cannot be opened or has a schema this build does not understand."""
 
 
+class QuarantinedError(StoreError):
+    """A stored row could not be read (damaged, or written by an incompatible build): it was set
+    aside in the ``quarantine`` table and is skipped; the other rows are served."""
+
+
 class UnknownIncidentError(ControllerError):
     """No incident with the given id is in the store."""
 

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from replicheck.incident import Incident, IncidentFormatError
+from replicheck.incident import Incident, IncidentFormatError, IncidentNotYetValidError
 
 MAX_INCIDENT_BYTES = 4 * 1024 * 1024
 """Larger files are rejected unread (still kept as a head sample) rather than loaded whole."""
@@ -99,6 +99,9 @@ def parse_bytes(content: bytes, source: str) -> Parsed:
     """Validate ``content``; any failure, expected or not, is a rejection with a reason."""
     try:
         return Parsed(source, content, incident=Incident.from_json(content))
+    except IncidentNotYetValidError as exc:
+        # A clock is wrong (the job's or ours): read it again on every pass until it is valid.
+        return Parsed(source, content, error=str(exc), retry=True)
     except IncidentFormatError as exc:
         return Parsed(source, content, error=str(exc))
     except (RecursionError, MemoryError, ValueError, TypeError, KeyError, AttributeError) as exc:

@@ -32,6 +32,7 @@ class Lease:
         if self._fd is not None:
             return
         try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
         except OSError as exc:
             raise StoreError(f"{self.path}: cannot open the controller lease file: {exc}") from exc

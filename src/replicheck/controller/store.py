@@ -7,15 +7,17 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import sqlite3
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, cast
 
-from replicheck.controller.errors import StoreError, UnknownIncidentError
+from replicheck.controller.errors import QuarantinedError, StoreError, UnknownIncidentError
 from replicheck.controller.model import Action, ActionKind, Record, State
 from replicheck.incident import Incident, IncidentFormatError
+from replicheck.timefmt import utc_iso_us
 
 Migration = str | Callable[[sqlite3.Connection], None]
 
@@ -54,12 +56,29 @@ MIGRATIONS: tuple[Migration, ...] = (
     """,
     # 3: the audit log becomes a hash chain (rows written before are chained in id order).
     lambda db: _chain_audit(db),
+    # 4: rows that cannot be read are quarantined (kept, reported once, skipped by every read),
+    # and the indexes that let /metrics and the quotas count without loading bodies.
+    """
+    CREATE TABLE quarantine (
+        tbl TEXT NOT NULL, key TEXT NOT NULL, reason TEXT NOT NULL, at TEXT NOT NULL,
+        PRIMARY KEY (tbl, key));
+    CREATE INDEX incidents_source ON incidents(source, first_seen);
+    CREATE INDEX actions_kind ON actions(kind, status);
+    CREATE INDEX audit_incident ON audit(incident_id);
+    """,
 )
 SCHEMA_VERSION = len(MIGRATIONS)
+log = logging.getLogger(__name__)
 GENESIS = "0" * 64
 """The ``prev`` hash of the first audit row."""
 
 ACTIVE = ("pending", "in_flight")
+
+MAX_AUDIT_TEXT = 2048
+"""Longest ``what``/``outcome`` kept in an audit row (characters); longer text is cut, saying by
+how much, so a flood of refused 15 KB paths cannot grow the audit log by gigabytes."""
+BUSY_TIMEOUT_S = 30.0
+"""How long a statement waits for another process's lock before SQLite says "locked"."""
 
 ActionStatus = Literal["pending", "in_flight", "done", "failed", "cancelled"]
 """pending, in_flight (started, result not recorded), done, failed, cancelled."""
@@ -125,18 +144,22 @@ class IncidentRow:
 class Store:
     """One connection to the controller database. Not thread-safe; one per process."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, *, busy_timeout_s: float = BUSY_TIMEOUT_S) -> None:
         self.path = Path(path)
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._db = sqlite3.connect(str(self.path), timeout=30.0, isolation_level=None)
+            self._db = sqlite3.connect(str(self.path), timeout=busy_timeout_s, isolation_level=None)
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=FULL")
             self._db.execute("PRAGMA foreign_keys=ON")
         except (sqlite3.Error, OSError) as exc:
             raise StoreError(f"{self.path}: cannot open the controller database: {exc}") from exc
         self._depth = 0
-        self._migrate()
+        try:
+            self._migrate()
+        except BaseException:
+            self._db.close()
+            raise
 
     def close(self) -> None:
         self._db.close()
@@ -250,8 +273,11 @@ class Store:
             raise UnknownIncidentError(f"no incident {incident_id!r} in {self.path}")
         try:
             incident = Incident.from_json(row[0])
-        except IncidentFormatError as exc:  # pragma: no cover - we only store validated records
-            raise StoreError(f"stored incident {incident_id!r} is unreadable: {exc}") from exc
+        except (IncidentFormatError, ValueError, TypeError, RecursionError) as exc:
+            # Written by an older build or damaged on disk: kept aside, reported, never fatal.
+            reason = f"stored incident is unreadable: {_reason(exc)}"
+            self.quarantine("incidents", incident_id, reason)
+            raise QuarantinedError(f"incident {incident_id!r} is quarantined: {reason}") from None
         return IncidentRow(incident, row[1], row[2], int(row[3]))
 
     def save_record(self, record: Record, now: str) -> None:
@@ -266,15 +292,35 @@ class Store:
         row = self._db.execute("SELECT data FROM records WHERE incident_id=?", (incident_id,)).fetchone()
         if row is None:
             raise UnknownIncidentError(f"no incident {incident_id!r} in {self.path}")
-        return Record.from_json(row[0])
+        record = self._record(incident_id, row[0])
+        if record is None:
+            raise QuarantinedError(f"incident {incident_id!r} is quarantined: its record is unreadable")
+        return record
 
     def list_records(self, states: Sequence[State] | None = None) -> list[Record]:
-        rows = self._db.execute(
-            "SELECT r.data, r.state FROM records r JOIN incidents i ON i.id=r.incident_id "
-            "ORDER BY i.first_seen, r.incident_id"
-        ).fetchall()
-        wanted = None if states is None else {s.value for s in states}
-        return [Record.from_json(d) for d, s in rows if wanted is None or s in wanted]
+        """Every readable record (optionally only some states); an unreadable one is quarantined
+        and left out, so one damaged row never stops the others being listed or acted on."""
+        sql = (
+            "SELECT r.incident_id, r.data FROM records r JOIN incidents i ON i.id=r.incident_id"
+            " WHERE r.incident_id NOT IN (SELECT key FROM quarantine WHERE tbl='records')"
+        )
+        args: tuple[str, ...] = ()
+        if states is not None:
+            wanted = tuple(s.value for s in states)
+            sql += f" AND r.state IN ({', '.join('?' * len(wanted))})"
+            args = wanted
+        rows = self._db.execute(sql + " ORDER BY i.first_seen, r.incident_id", args).fetchall()
+        return [r for r in (self._record(key, data) for key, data in rows) if r is not None]
+
+    def _record(self, incident_id: str, data: Any) -> Record | None:
+        try:
+            record = Record.from_json(data)
+            if record.incident_id != incident_id:
+                raise ValueError(f"holds incident {record.incident_id!r}")
+            return record
+        except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
+            self.quarantine("records", incident_id, f"unreadable record: {_reason(exc)}")
+            return None
 
     # --- actions ----------------------------------------------------------------------------
 
@@ -305,21 +351,36 @@ class Store:
     def due_actions(self, now: str) -> list[ActionRow]:
         rows = self._db.execute(
             f"SELECT {_ACTION_COLS} FROM actions WHERE status IN ('pending', 'in_flight') "
-            "AND next_attempt_at <= ? ORDER BY created_at, key",
+            "AND next_attempt_at <= ? AND key NOT IN (SELECT key FROM quarantine WHERE tbl='actions') "
+            "ORDER BY created_at, key",
             (now,),
         ).fetchall()
-        return [_action_row(r) for r in rows]
+        return self._action_rows(rows)
 
     def actions(self, incident_id: str | None = None) -> list[ActionRow]:
+        """Readable actions (of one incident); an unreadable one (unknown kind, damaged
+        parameters) is quarantined and left out."""
         sql = f"SELECT {_ACTION_COLS} FROM actions"
         args: tuple[Any, ...] = ()
         if incident_id is not None:
             sql, args = sql + " WHERE incident_id=?", (incident_id,)
-        return [_action_row(r) for r in self._db.execute(sql + " ORDER BY created_at, key", args)]
+        return self._action_rows(self._db.execute(sql + " ORDER BY created_at, key", args).fetchall())
 
     def get_action(self, key: str) -> ActionRow | None:
         row = self._db.execute(f"SELECT {_ACTION_COLS} FROM actions WHERE key=?", (key,)).fetchone()
-        return None if row is None else _action_row(row)
+        if row is None:
+            return None
+        found = self._action_rows([row])
+        return found[0] if found else None
+
+    def _action_rows(self, rows: Sequence[Sequence[Any]]) -> list[ActionRow]:
+        out = []
+        for r in rows:
+            try:
+                out.append(_action_row(r))
+            except (ValueError, TypeError, KeyError, RecursionError) as exc:
+                self.quarantine("actions", str(r[0]), f"unreadable action: {_reason(exc)}")
+        return out
 
     def start_attempt(self, key: str, now: str) -> bool:
         """Mark the action in flight before calling the backend (so a crash leaves it in doubt).
@@ -371,6 +432,16 @@ class Store:
         ).fetchone()
         return int(row[0])
 
+    def clamp_future(self, now: str, latest: str) -> None:
+        """Bring timestamps the clock put in the future back to ``now``: finish times after
+        ``now``, and next attempts after ``latest`` (the longest wait the controller sets)."""
+        self._db.execute("UPDATE actions SET finished_at=? WHERE finished_at > ?", (now, now))
+        self._db.execute(
+            "UPDATE actions SET next_attempt_at=? WHERE status IN ('pending', 'in_flight') "
+            "AND next_attempt_at > ?",
+            (now, latest),
+        )
+
     def nodes_held(self, exclude_incident: str) -> set[str]:
         """Nodes still cordoned by other incidents that are not finished."""
         held: set[str] = set()
@@ -382,12 +453,52 @@ class Store:
                 held.update(record.cordoned)
         return held
 
+    # --- quarantine -------------------------------------------------------------------------
+
+    def quarantine(self, table: str, key: str, reason: str) -> bool:
+        """Set a row that cannot be read aside: every later read skips it, the first time is
+        audited (``quarantined``). Best effort: a database that cannot be written right now
+        still serves the readable rows. True if newly quarantined."""
+        try:
+            with self.transaction():
+                cur = self._db.execute(
+                    "INSERT OR IGNORE INTO quarantine(tbl, key, reason, at) VALUES(?, ?, ?, ?)",
+                    (table, key, reason, utc_iso_us()),
+                )
+                if cur.rowcount != 1:
+                    return False
+                incident = key if table in ("incidents", "records") else None
+                if (
+                    incident is not None
+                    and self._db.execute("SELECT 1 FROM incidents WHERE id=?", (incident,)).fetchone() is None
+                ):
+                    incident = None
+                _append_audit(
+                    self._db, utc_iso_us(), "controller", incident, "quarantined", f"{table} {key}: {reason}"
+                )
+        except sqlite3.Error as exc:
+            log.warning("could not record the quarantine of %s %s (%s): %s", table, key, reason, exc)
+            return False
+        log.error("quarantined %s row %s: %s", table, key, reason)
+        return True
+
+    def quarantined(self) -> list[tuple[str, str, str, str]]:
+        """(table, key, reason, at) of every quarantined row."""
+        return [
+            (str(r[0]), str(r[1]), str(r[2]), str(r[3]))
+            for r in self._db.execute("SELECT tbl, key, reason, at FROM quarantine ORDER BY at, tbl, key")
+        ]
+
+    def count(self, sql: str, args: Sequence[Any] = ()) -> int:
+        """``SELECT COUNT(*) ...``: one integer, computed by SQLite without loading rows."""
+        return int(self._db.execute(sql, tuple(args)).fetchone()[0])
+
     # --- audit, rejections, seen files ------------------------------------------------------
 
     def audit(self, at: str, actor: str, what: str, outcome: str, incident_id: str | None = None) -> None:
         """Append one row to the hash-chained audit log (and move the recorded head)."""
         with self.transaction():
-            _append_audit(self._db, at, actor, incident_id, what, outcome)
+            _append_audit(self._db, at, actor, incident_id, _cut(what), _cut(outcome))
 
     def verify_audit(self) -> AuditCheck:
         """Recompute the audit hash chain; every edited, removed or inserted row is reported."""
@@ -410,8 +521,11 @@ class Store:
         return cur.rowcount == 1
 
     def clear_unreadable(self, source: str) -> None:
-        """Forget the "cannot read" reports of ``source`` once it has been read."""
-        self._db.execute("DELETE FROM rejected WHERE source=? AND reason LIKE 'cannot read:%'", (source,))
+        """Forget the "cannot read" and "not yet valid" reports of ``source`` once it has been read."""
+        self._db.execute(
+            "DELETE FROM rejected WHERE source=? AND (reason LIKE 'cannot read:%' OR reason LIKE 'not yet valid:%')",
+            (source,),
+        )
 
     def rejected_rows(self) -> list[tuple[str, str, bytes, str]]:
         """(source, reason, content, at) of every rejected input."""
@@ -451,6 +565,17 @@ def _action_row(r: Sequence[Any]) -> ActionRow:
         result=None if r[9] is None else json.loads(r[9]),
         started_at=r[10],
     )
+
+
+def _cut(text: str) -> str:
+    if len(text) <= MAX_AUDIT_TEXT:
+        return text
+    return f"{text[:MAX_AUDIT_TEXT]}... ({len(text) - MAX_AUDIT_TEXT} more characters not kept)"
+
+
+def _reason(exc: BaseException) -> str:
+    text = str(exc) or type(exc).__name__
+    return f"{type(exc).__name__}: {text[:200]}"
 
 
 def _statements(script: str) -> list[str]:

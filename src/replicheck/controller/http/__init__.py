@@ -4,7 +4,7 @@ does not."""
 
 from replicheck.controller.http.app import ApiError, HttpConfig, create_app
 from replicheck.controller.http.auth import Authenticator, Principal, Role, Token, read_token_file
-from replicheck.controller.http.server import BackgroundServer, parse_address
+from replicheck.controller.http.server import BackgroundServer, ServerLimits, parse_address
 
 __all__ = [
     "ApiError",
@@ -13,6 +13,7 @@ __all__ = [
     "HttpConfig",
     "Principal",
     "Role",
+    "ServerLimits",
     "Token",
     "create_app",
     "parse_address",

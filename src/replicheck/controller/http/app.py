@@ -5,11 +5,11 @@ opens its own store connection, so SQLite's write lock (not this process) decide
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import sqlite3
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -21,14 +21,21 @@ from replicheck.controller.errors import (
     ConfigError,
     ControllerError,
     InvalidTransitionError,
+    QuarantinedError,
     UnknownIncidentError,
 )
 from replicheck.controller.http.auth import Authenticator, AuthError, Principal, RefusalBudget, Role, Token
-from replicheck.controller.http.limits import Guard, error_body
+from replicheck.controller.http.limits import BodyTimeout, Guard, RateLimiter, error_body
 from replicheck.controller.http.schema import incident_schema
 from replicheck.controller.http.views import detail_json, summary_json
 from replicheck.controller.model import State
-from replicheck.incident import Incident, IncidentFormatError, validate_incident
+from replicheck.incident import (
+    Incident,
+    IncidentFormatError,
+    IncidentJSONError,
+    load_json,
+    validate_incident,
+)
 from replicheck.timefmt import utc_iso_us
 
 try:
@@ -67,10 +74,24 @@ class HttpConfig:
     """Refused requests audited one by one per minute; more are counted in the next entry."""
     metrics: bool = True
     """Serve ``/metrics`` (needs prometheus-client)."""
+    body_timeout_s: float = 30.0
+    """A request body must arrive within this long (else 408)."""
+    requests_per_minute: int = 600
+    """Requests one credential (a named token, or the shared job or operator token) may make a
+    minute, in bursts of half that; more are answered 429 with ``Retry-After``. 0: no limit."""
+    incidents_per_day: int = 1000
+    """New incidents one job credential may store in 24 hours (a copy of one already stored
+    still merges); more are answered 429. 0: no quota."""
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1024:
             raise ConfigError("max_body_bytes must be at least 1024")
+        if self.body_timeout_s <= 0:
+            raise ConfigError("body_timeout_s must be positive")
+        for name in ("requests_per_minute", "incidents_per_day"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ConfigError(f"{name} must be an integer >= 0, got {value!r}")
         if not any(t.role is Role.OPERATOR for t in self.tokens):
             raise ConfigError("the HTTP API needs an operator token (--operator-token-file)")
 
@@ -102,11 +123,18 @@ class DecisionBody(BaseModel):
     )
 
 
-def create_app(config: HttpConfig, *, on_change: Callable[[], None] | None = None) -> Any:
-    """The ASGI application (the FastAPI app is its ``.app``). ``on_change`` is called after an incident is stored or decided
-    (the serving controller uses it to reconcile at once)."""
+def create_app(
+    config: HttpConfig,
+    *,
+    on_change: Callable[[], None] | None = None,
+    liveness: Callable[[], dict[str, Any]] | None = None,
+) -> Any:
+    """The ASGI application (the FastAPI app is its ``.app``). ``on_change`` is called after an
+    incident is stored or decided (the serving controller uses it to reconcile at once);
+    ``liveness`` says whether the acting loop of this process ran recently (``/healthz``)."""
     auth = Authenticator(config.tokens)
     budget = RefusalBudget(config.refusal_audits_per_minute)
+    limiter = RateLimiter(config.requests_per_minute)
     metrics = None
     if config.metrics:
         from replicheck.controller.http.metrics import ServerMetrics
@@ -162,7 +190,7 @@ def create_app(config: HttpConfig, *, on_change: Callable[[], None] | None = Non
 
         def dependency(request: Request, _: Any = Security(scheme)) -> Principal:
             try:
-                return auth.check(request.headers.get("authorization"), role)
+                who = auth.check(request.headers.get("authorization"), role)
             except AuthError as err:
                 refuse(request, err)
                 raise ApiError(
@@ -171,6 +199,18 @@ def create_app(config: HttpConfig, *, on_change: Callable[[], None] | None = Non
                     err.message,
                     {"WWW-Authenticate": "Bearer"} if err.status == 401 else None,
                 ) from None
+            wait = limiter.take(_credential(who))
+            if wait > 0:
+                if metrics is not None:
+                    metrics.limited.labels("rate").inc()
+                raise ApiError(
+                    429,
+                    "rate_limited",
+                    f"more than {config.requests_per_minute} requests a minute with this token; "
+                    f"try again in {wait:.1f} s",
+                    {"Retry-After": str(max(1, round(wait + 0.5)))},
+                )
+            return who
 
         return dependency
 
@@ -214,7 +254,15 @@ def create_app(config: HttpConfig, *, on_change: Callable[[], None] | None = Non
 
     @app.exception_handler(Exception)
     async def _crash(_: Request, exc: Exception) -> Response:
-        if isinstance(exc, sqlite3.OperationalError):
+        if isinstance(exc, BodyTimeout):
+            bad_body("timeout")
+            return error(
+                408,
+                "timeout",
+                f"request body not received within {config.body_timeout_s:g} s",
+                {"Connection": "close"},
+            )
+        if isinstance(exc, (sqlite3.OperationalError, OSError)):
             return error(503, "busy", f"database busy, try again: {exc}", {"Retry-After": "1"})
         log.exception("internal error")
         return error(500, "internal", f"internal error: {type(exc).__name__}")
@@ -252,11 +300,15 @@ def create_app(config: HttpConfig, *, on_change: Callable[[], None] | None = Non
             raise ApiError(415, "unsupported_media_type", "send the incident as application/json")
         body = await request.body()
         try:
-            data = json.loads(body, parse_constant=_no_constant)
-            json.dumps(data, ensure_ascii=False).encode("utf-8")  # lone surrogates cannot be stored
-        except (ValueError, UnicodeError, RecursionError) as exc:
+            # The same reader and grammar as incident files (replicheck.incident.load_json):
+            # depth, 64-bit integers, duplicate keys, NaN kept as a string.
+            data = load_json(body)
+        except IncidentJSONError as exc:
             bad_body("malformed")
             raise ApiError(400, "malformed", f"body is not valid JSON: {exc}") from None
+        except IncidentFormatError as exc:
+            bad_body("schema")
+            raise ApiError(422, "invalid_incident", str(exc)) from None
         try:
             incident = Incident.from_dict(data)
             validate_incident(incident)  # the ingest grammar, as for files: refused here, not stored
@@ -264,18 +316,36 @@ def create_app(config: HttpConfig, *, on_change: Callable[[], None] | None = Non
             bad_body("schema")
             raise ApiError(422, "invalid_incident", str(exc)) from None
         client = request.client.host if request.client else "unknown"
-        source = f"http:{who.name or 'job'}@{client}"
+        owner = f"http:{who.name or 'job'}@"
+        source = f"{owner}{client}"
 
         def store() -> Any:
             with controller() as ctl:
+                if config.incidents_per_day and _over_quota(
+                    ctl, owner, incident.id, config.incidents_per_day
+                ):
+                    return None
                 return ctl.ingest(incident, source)
 
         result = await run_in_threadpool(store)
+        if result is None:
+            if metrics is not None:
+                metrics.limited.labels("quota").inc()
+            raise ApiError(
+                429,
+                "quota",
+                f"this token stored {config.incidents_per_day} incidents in the last 24 h, its quota; "
+                "the incident is not stored (its job keeps it: a fallback file is read as usual)",
+                {"Retry-After": "3600"},
+            )
+        if result.incident_id is None:
+            bad_body("schema")
+            raise ApiError(422, "invalid_incident", f"not stored: {result.rejected}")
         changed()
         return JSONResponse(
-            {"id": incident.id, "new": result.new},
+            {"id": result.incident_id, "new": result.new},
             status_code=201 if result.new else 200,
-            headers={"Location": f"{API}/incidents/{quote(incident.id, safe='')}"},
+            headers={"Location": f"{API}/incidents/{quote(result.incident_id, safe='')}"},
         )
 
     # --- operators --------------------------------------------------------------------------
@@ -291,8 +361,15 @@ def create_app(config: HttpConfig, *, on_change: Callable[[], None] | None = Non
     ) -> dict[str, Any]:
         with controller() as ctl:
             records = ctl.records(state)
-            rejected = len(ctl.store.rejected_rows())
-        return {"incidents": [summary_json(r) for r in records], "rejected_inputs": rejected}
+            rejected = ctl.store.count("SELECT COUNT(*) FROM rejected")
+            quarantined = [
+                {"table": t, "key": k, "reason": r, "at": a} for t, k, r, a in ctl.store.quarantined()
+            ]
+        return {
+            "incidents": [summary_json(r) for r in records],
+            "rejected_inputs": rejected,
+            "quarantined": quarantined,
+        }
 
     @app.get(
         f"{API}/incidents/{{incident_id:path}}",
@@ -380,10 +457,24 @@ def create_app(config: HttpConfig, *, on_change: Callable[[], None] | None = Non
 
     app.mount("/static", StaticFiles(directory=str(static)), name="static")
 
-    @app.get("/healthz", tags=["service"], summary="Liveness: the database opens")
-    def healthz() -> dict[str, Any]:
+    @app.get(
+        "/healthz",
+        tags=["service"],
+        summary="Liveness: the database opens and the acting loop ran recently",
+        responses={503: {"description": "the database cannot be opened, or the acting loop is stale"}},
+    )
+    def healthz() -> Response:
         with controller() as ctl:
-            return {"ok": True, "schema_version": ctl.store.schema_version()}
+            schema = ctl.store.schema_version()
+            last = ctl.store.get_meta("last_pass_at")
+        loop: dict[str, Any] = liveness() if liveness is not None else {"acting": False}
+        loop.setdefault("last_pass_at", last)
+        if loop.get("last_pass_at") is None:
+            loop["last_pass_at"] = last
+        ok = bool(loop.get("recent", True))
+        return JSONResponse(
+            {"ok": ok, "schema_version": schema, "loop": loop}, status_code=200 if ok else 503
+        )
 
     @app.get(
         "/metrics",
@@ -414,12 +505,31 @@ def create_app(config: HttpConfig, *, on_change: Callable[[], None] | None = Non
 
     # Outermost, so an announced oversized body is refused before any other layer reads it.
     return Guard(
-        app, limit=config.max_body_bytes, on_response=on_response, on_too_large=lambda: bad_body("too_large")
+        app,
+        limit=config.max_body_bytes,
+        on_response=on_response,
+        on_too_large=lambda: bad_body("too_large"),
+        body_timeout_s=config.body_timeout_s,
     )
 
 
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON number")
+def _credential(who: Principal) -> str:
+    """What a rate limit is kept per: the token's name, or the role's shared token."""
+    return f"{who.role.value}:{who.name}" if who.name is not None else f"{who.role.value}:shared"
+
+
+def _over_quota(ctl: Controller, owner: str, incident_id: str, quota: int) -> bool:
+    """True when ``owner`` (a source prefix) stored ``quota`` new incidents in 24 h and this
+    one would be new (a copy of a stored incident merges and costs nothing)."""
+    since = utc_iso_us(datetime.now(UTC) - timedelta(days=1))
+    # A range on the (source, first_seen) index: "http:NAME@" .. "http:NAME@\U0010ffff".
+    stored = ctl.store.count(
+        "SELECT COUNT(*) FROM incidents WHERE source >= ? AND source < ? AND first_seen >= ?",
+        (owner, owner + "\U0010ffff", since),
+    )
+    if stored < quota:
+        return False
+    return ctl.store.count("SELECT COUNT(*) FROM incidents WHERE id=?", (incident_id,)) == 0
 
 
 def _found(call: Callable[[], Any]) -> Any:
@@ -431,5 +541,7 @@ def _found(call: Callable[[], Any]) -> Any:
         raise ApiError(409, "conflict", str(exc)) from None
     except ConfigError as exc:
         raise ApiError(422, "invalid", str(exc)) from None
+    except QuarantinedError as exc:
+        raise ApiError(409, "quarantined", str(exc)) from None
     except ControllerError as exc:
         raise ApiError(503, "unavailable", str(exc)) from None

@@ -11,6 +11,7 @@ import datetime as _dt
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 from replicheck.controller.model import ActionKind, State
 from replicheck.controller.store import Store
@@ -31,7 +32,9 @@ ACTION_RESULTS = ("pending", "in_flight", "done", "skipped", "failed", "cancelle
 
 
 class StoreCollector(Collector):
-    """Reads the controller database on each scrape."""
+    """Reads the controller database on each scrape, with ``COUNT``/``GROUP BY`` queries over
+    indexed columns: no incident body, record or rejected file is loaded into this process, so
+    a scrape costs the same memory however much junk is stored, and a damaged row cannot fail it."""
 
     def __init__(self, db_path: str | Path) -> None:
         self.db_path = Path(db_path)
@@ -40,15 +43,44 @@ class StoreCollector(Collector):
         return []  # computed at scrape time; not checked at registration
 
     def collect(self) -> Iterator[Metric]:
-        store = Store(self.db_path)
+        store = Store(self.db_path, busy_timeout_s=5.0)
         try:
-            records = store.list_records()
-            actions = store.actions()
-            audit = store.audit_rows()
-            rejected = len(store.rejected_rows())
-            detected = {
-                r.incident_id: _parse(store.get_incident(r.incident_id).incident.time) for r in records
+            db = store.connection
+            by_state = {
+                (str(state), str(cls)): int(n)
+                for state, cls, n in db.execute(
+                    "SELECT state, CASE WHEN json_valid(data) THEN json_extract(data, '$.classification') END,"
+                    " COUNT(*) FROM records GROUP BY 1, 2"
+                )
             }
+            by_result: dict[tuple[str, str], int] = {}
+            failures: Counter[str] = Counter()
+            for kind, status, skipped, n, failed in db.execute(
+                "SELECT kind, status, status = 'done' AND result LIKE '%\"skipped\"%', COUNT(*),"
+                " SUM(MAX(0, attempts - (status IN ('done', 'in_flight')))) FROM actions GROUP BY 1, 2, 3"
+            ):
+                result = "skipped" if skipped else str(status)
+                by_result[(str(kind), result)] = by_result.get((str(kind), result), 0) + int(n)
+                failures[str(kind)] += int(failed or 0)
+            rejected = store.count("SELECT COUNT(*) FROM rejected")
+            quarantined = store.count("SELECT COUNT(*) FROM quarantine")
+            last_pass = store.get_meta("last_pass_at")
+            # Detection (the incident's time) to cordon and to approval, one row per incident.
+            to_cordon = _seconds(
+                db.execute(
+                    "SELECT CASE WHEN json_valid(i.body) THEN json_extract(i.body, '$.time') END, MIN(a.at)"
+                    " FROM audit a JOIN incidents i ON i.id = a.incident_id"
+                    " WHERE a.what LIKE '%-> cordoned' GROUP BY a.incident_id"
+                )
+            )
+            to_approval = _seconds(
+                db.execute(
+                    "SELECT CASE WHEN json_valid(i.body) THEN json_extract(i.body, '$.time') END,"
+                    " json_extract(r.data, '$.approved_at')"
+                    " FROM records r JOIN incidents i ON i.id = r.incident_id"
+                    " WHERE json_valid(r.data) AND json_extract(r.data, '$.approved_at') IS NOT NULL"
+                )
+            )
         finally:
             store.close()
 
@@ -57,10 +89,9 @@ class StoreCollector(Collector):
             "Incidents by current state and classification",
             labels=["state", "classification"],
         )
-        by_state = Counter((r.state.value, r.classification) for r in records)
         for state in State:
             for cls in CLASSIFICATIONS:
-                incidents.add_metric([state.value, cls], by_state[(state.value, cls)])
+                incidents.add_metric([state.value, cls], by_state.get((state.value, cls), 0))
         yield incidents
 
         acts = GaugeMetricFamily(
@@ -73,18 +104,9 @@ class StoreCollector(Collector):
             "Backend calls that failed (retried or final), by action kind",
             labels=["kind"],
         )
-        by_result: Counter[tuple[str, str]] = Counter()
-        failures: Counter[str] = Counter()
-        for a in actions:
-            result: str = (
-                "skipped" if a.status == "done" and a.result and a.result.get("skipped") else a.status
-            )
-            by_result[(a.kind.value, result)] += 1
-            succeeded_or_running = 1 if a.status in ("done", "in_flight") else 0
-            failures[a.kind.value] += max(0, a.attempts - succeeded_or_running)
         for kind in ActionKind:
             for result in ACTION_RESULTS:
-                acts.add_metric([kind.value, result], by_result[(kind.value, result)])
+                acts.add_metric([kind.value, result], by_result.get((kind.value, result), 0))
             failed_attempts.add_metric([kind.value], failures[kind.value])
         yield acts
         yield failed_attempts
@@ -92,22 +114,22 @@ class StoreCollector(Collector):
         failed = GaugeMetricFamily(
             "replicheck_incidents_failed", "Incidents in the failed state (a person must look)"
         )
-        failed.add_metric([], sum(1 for r in records if r.state is State.FAILED))
+        failed.add_metric([], sum(n for (state, _), n in by_state.items() if state == State.FAILED.value))
         yield failed
         yield GaugeMetricFamily(
             "replicheck_rejected_inputs", "Malformed or unknown-version incident inputs kept", value=rejected
         )
-
-        cordoned_at: dict[str, _dt.datetime] = {}
-        for row in audit:
-            if row.incident_id and row.what.endswith("-> cordoned") and row.incident_id not in cordoned_at:
-                cordoned_at[row.incident_id] = _parse(row.at)
-        to_cordon = [(cordoned_at[i] - detected[i]).total_seconds() for i in cordoned_at if i in detected]
-        to_approval = [
-            (_parse(r.approved_at) - detected[r.incident_id]).total_seconds()
-            for r in records
-            if r.approved_at
-        ]
+        yield GaugeMetricFamily(
+            "replicheck_quarantined_rows",
+            "Stored rows that could not be read, set aside and skipped (incidents list shows them)",
+            value=quarantined,
+        )
+        if last_pass is not None:
+            yield GaugeMetricFamily(
+                "replicheck_controller_last_pass_timestamp_seconds",
+                "When the acting controller last completed a reconcile pass (Unix time)",
+                value=_parse(last_pass).timestamp(),
+            )
         yield _histogram(
             "replicheck_detection_to_cordon_seconds",
             "Time from the incident's detection (its time) to the controller's cordon",
@@ -118,6 +140,16 @@ class StoreCollector(Collector):
             "Time from the incident's detection to its approval (person or auto-approve)",
             to_approval,
         )
+
+
+def _seconds(rows: Iterable[tuple[Any, Any]]) -> list[float]:
+    out = []
+    for start, end in rows:
+        try:
+            out.append((_parse(str(end)) - _parse(str(start))).total_seconds())
+        except (TypeError, ValueError):
+            continue  # a time that does not parse is left out of the histogram, not fatal
+    return out
 
 
 def _histogram(name: str, doc: str, values: list[float]) -> HistogramMetricFamily:
@@ -151,8 +183,14 @@ class ServerMetrics:
         )
         self.bad_bodies = PromCounter(
             "replicheck_http_rejected_bodies",
-            "Request bodies refused (too_large, malformed, schema)",
+            "Request bodies refused (too_large, malformed, schema, content_type, timeout)",
             ["reason"],
+            registry=self.registry,
+        )
+        self.limited = PromCounter(
+            "replicheck_http_limited",
+            "Requests refused with 429: over a credential's rate limit (rate) or storage quota (quota)",
+            ["limit"],
             registry=self.registry,
         )
 

@@ -55,7 +55,7 @@ function table(id, head, rows) {
   t.replaceChildren();
   if (!rows.length) { t.append(el("tr", {}, el("td", {class: "muted"}, "none"))); return; }
   t.append(el("tr", {}, ...head.map(h => el("th", {}, h))));
-  for (const r of rows) t.append(el("tr", {}, ...r.map(c => el("td", c && c.cls ? {class: c.cls} : {}, c && c.text !== undefined ? c.text : c))));
+  for (const r of rows) t.append(el("tr", {}, ...r.map(c => el("td", c && c.cls ? {class: c.cls} : {}, c && c.cls ? c.text : text(c)))));
 }
 
 function kv(id, pairs) {
@@ -105,21 +105,47 @@ async function refresh() {
   if (m) await show(decodeURIComponent(m[1])); else $("detail").hidden = true;
 }
 
+// Every field of the detail view, emptied before another incident is drawn: a drawing that
+// fails half way (odd evidence) must never leave the previous incident's tables, or its
+// enabled Approve button, under the new heading.
+function resetDetail() {
+  current = null;
+  $("decision").hidden = true;
+  $("late-dismiss").hidden = true;
+  $("confirm-row").hidden = true;
+  for (const id of ["incident-id", "state", "status-line", "approve-text", "dismiss-text",
+                    "late-dismiss-text", "evidence"]) $(id).textContent = "";
+  for (const id of ["facts", "suspects", "pairs", "triage", "audit", "actions", "timeline"]) $(id).replaceChildren();
+}
+
+// Evidence is whatever the job sent: shown as text only, objects as their JSON.
+function text(v) {
+  if (v === null || v === undefined) return "";
+  return typeof v === "object" ? JSON.stringify(v) : String(v);
+}
+
+function pairsOf(evidence) {
+  const pairs = [];
+  if (!evidence || typeof evidence !== "object") return pairs;
+  for (const [check, ev] of Object.entries(evidence)) {
+    if (!ev || typeof ev !== "object" || !Array.isArray(ev.pairs)) continue;
+    for (const p of ev.pairs) if (p && typeof p === "object") pairs.push([check, p]);
+  }
+  return pairs;
+}
+
 async function show(id) {
   const d = await api("GET", "/incidents/" + encodeURIComponent(id));
-  current = d;
+  if (!pending) resetDetail();
   const inc = d.incident, rec = d.record;
   $("detail").hidden = false;
   $("incident-id").textContent = inc.id;
   $("state").textContent = rec.state;
   $("state").className = "badge " + rec.state;
   $("status-line").textContent = d.consequences.status;
-  $("decision").hidden = !d.decision_pending;
   $("approve-text").textContent = d.consequences.approve;
   $("dismiss-text").textContent = d.consequences.dismiss;
-  $("late-dismiss").hidden = d.decision_pending || !d.can_dismiss;
   $("late-dismiss-text").textContent = d.consequences.dismiss;
-  if (!pending) $("confirm-row").hidden = true;
   const ck = rec.checkpoint || inc.recommended_checkpoint;
   kv("facts", [
     ["Check that fired", inc.check + (inc.checks_failed.length > 1 ? ` (all failing: ${inc.checks_failed.join(", ")})` : "")],
@@ -137,13 +163,10 @@ async function show(id) {
   table("suspects", ["rank", "role", "node", "hostname", "Slurm node", "Kubernetes node", "instance"],
         people.map(s => [s.rank, inc.suspects.length ? "suspect" : "candidate (ambiguous)", s.node.name,
                          s.node.hostname ?? "", s.node.slurm_node ?? "", s.node.k8s_node ?? "", s.node.instance_id ?? ""]));
-  const pairs = [];
-  for (const [check, ev] of Object.entries(inc.evidence || {})) {
-    if (ev && Array.isArray(ev.pairs)) for (const p of ev.pairs) pairs.push([check, p, ]);
-  }
   table("pairs", ["check", "source rank (node)", "verifier rank (node)", "distance", "outcome"],
-        pairs.map(([check, p]) => [check, `${p.source} (${p.source_node ?? "?"})`, `${p.verifier} (${p.verifier_node ?? "?"})`,
-                                   p.distance ?? "", p.agree ? {text: "agree", cls: "good"} : {text: "DISAGREE", cls: "bad"}]));
+        pairsOf(inc.evidence).map(([check, p]) => [
+          check, `${text(p.source)} (${text(p.source_node) || "?"})`, `${text(p.verifier)} (${text(p.verifier_node) || "?"})`,
+          text(p.distance), p.agree === true ? {text: "agree", cls: "good"} : {text: "DISAGREE", cls: "bad"}]));
   table("triage", ["node", "result", "detail"],
         rec.triage.map(t => [t.node, t.passed ? {text: "passed", cls: "good"} : {text: "FAILED", cls: "bad"}, t.detail]));
   table("audit", ["when (UTC)", "who", "what", "outcome"], d.audit.map(a => [a.at, a.actor, a.what, a.outcome]));
@@ -151,6 +174,10 @@ async function show(id) {
         d.actions.map(a => [a.kind, a.node ?? "-", a.status, a.attempts, a.last_error ?? ""]));
   $("evidence").textContent = JSON.stringify(inc.evidence, null, 2);
   drawTimeline(inc, d.audit);
+  // Only a view drawn to the end offers the decision.
+  current = d;
+  $("decision").hidden = !d.decision_pending;
+  $("late-dismiss").hidden = d.decision_pending || !d.can_dismiss;
 }
 
 function drawTimeline(inc, audit) {
