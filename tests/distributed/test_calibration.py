@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 from typing import Any
 
 import guard_faults as gf
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from replicheck.guard import Guard, GuardConfig, current_pass, current_step
+from replicheck.incident import Incident
 from replicheck.harness.jobs import JobSpec, train
 from replicheck.harness.launch import RankContext, node_names, run_local
 from replicheck.harness.workloads import DecoderConfig
@@ -64,3 +66,5 @@ def test_fault_during_calibration_is_caught() -> None:
     assert tol["precision"] == "fp32" and tol["threshold"] == evidence["threshold"]
     assert tol["floor"] <= tol["threshold"] <= tol["ceiling"] and "exact mode" in tol["smallest_change"]
     assert any(p["over_threshold"] > 1 for p in evidence["pairs"])
+    # The controller reads it as it reads every incident (nesting, numbers, strings).
+    assert Incident.from_json(json.dumps(inc)).evidence == inc["evidence"]
