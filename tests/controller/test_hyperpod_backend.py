@@ -64,8 +64,16 @@ def sm() -> Iterator[tuple[Any, Stubber]]:
         stub.assert_no_pending_responses()
 
 
+class _Allocated(HyperPodBackend):
+    """HyperPod without an orchestrator cannot verify a job (allocation() is None: tested in
+    test_job_authority.py); these tests are about replacing, so job1 runs on every node."""
+
+    def allocation(self, job_id: str) -> frozenset[str] | None:
+        return frozenset({"ip-10-0-0-1", "ip-10-0-0-2", "ip-10-0-0-3", "n1", "n2", "n3"})
+
+
 def hp(client: Any, clock: Clock | None = None, **config: Any) -> HyperPodBackend:
-    return HyperPodBackend(HyperPodConfig(cluster_name=CLUSTER, **config), client=client, clock=clock)
+    return _Allocated(HyperPodConfig(cluster_name=CLUSTER, **config), client=client, clock=clock)
 
 
 def expect_list(stub: Stubber, *nodes: dict[str, Any], **params: Any) -> None:

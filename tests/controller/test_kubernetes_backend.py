@@ -38,6 +38,8 @@ def server(clock: Clock) -> Iterator[FakeApiServer]:
     with FakeApiServer(clock=clock, job_runner=lambda job: (True, "warming up\n" + GOOD)) as srv:
         for name in ("n1", "n2", "n3"):
             srv.add_node(make_node(name, group="workers", internal_dns=f"ip-10-0-0-{name[1]}.ec2.internal"))
+            # job1's ranks (the incidents' job) run on every node: the allocation check passes.
+            srv.add_pod("default", f"job1-{name}", name, labels={"job-name": "job1"})
         yield srv
 
 

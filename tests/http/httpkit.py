@@ -72,6 +72,8 @@ def cluster(db: Path) -> None:
     for n in ("n1", "n2", "n3"):
         backend.add_node(n)
     backend.add_node("s1", spare=True)
+    for job in ("job1", "job2"):  # the jobs these tests report on, for the allocation check
+        backend.add_job(job, ("n1", "n2", "n3"))
 
 
 def write_tokens(directory: Path) -> tuple[Path, Path]:
@@ -105,7 +107,7 @@ class Live:
     operator_token_file: Path
 
     def controller(self, **config: Any) -> Controller:
-        return Controller(self.db, config=ControllerConfig(**{"apply": True, **config}))
+        return Controller(self.db, config=ControllerConfig(**{"apply": True, "checkpoint_roots": ("/ckpt",), **config}))
 
 
 def call(

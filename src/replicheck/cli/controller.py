@@ -74,7 +74,8 @@ def _add_http_options(parser: argparse.ArgumentParser) -> None:
         "--job-token-file",
         default=None,
         metavar="FILE",
-        help="file with the token(s) jobs post incidents with (default: $REPLICHECK_JOB_TOKEN_FILE)",
+        help="file or directory with the token(s) jobs post incidents with, each scoped to its "
+        "job(s) with jobs=PATTERN; re-read when it changes (default: $REPLICHECK_JOB_TOKEN_FILE)",
     )
     parser.add_argument(
         "--operator-token-file",
@@ -259,11 +260,17 @@ def _start_http(
     if not operator_file:
         raise ConfigError("--http needs --operator-token-file FILE (or $REPLICHECK_OPERATOR_TOKEN_FILE)")
     tokens += read_token_file(operator_file, Role.OPERATOR)
-    if job_file:
-        tokens += read_token_file(job_file, Role.JOB)
     options = {} if args.max_body_bytes is None else {"max_body_bytes": args.max_body_bytes}
     app = create_app(
-        HttpConfig(db_path=db, tokens=tuple(tokens), controller=config, applies=applies, **options),
+        # The job tokens are re-read when their file (or directory) changes: jobs come and go.
+        HttpConfig(
+            db_path=db,
+            tokens=tuple(tokens),
+            job_token_path=job_file or None,
+            controller=config,
+            applies=applies,
+            **options,
+        ),
         on_change=on_change,
     )
     server = BackgroundServer(app, host, port).start()

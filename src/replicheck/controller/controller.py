@@ -103,9 +103,12 @@ class Controller:
 
     # --- ingestion --------------------------------------------------------------------------
 
-    def ingest(self, incident: Incident, source: str = "api") -> IngestResult:
+    def ingest(self, incident: Incident, source: str = "api", *, vouched_by: str = "") -> IngestResult:
         """Store an incident (or merge a duplicate); the next reconcile pass acts on it. One
-        that breaks the ingest grammar is rejected (kept with the reason), never acted on."""
+        that breaks the ingest grammar is rejected (kept with the reason), never acted on.
+
+        ``vouched_by`` names the job-scoped credential that delivered it, already checked to
+        speak for ``incident.job_id`` ("" for none: auto-approve will not act on it)."""
         source = _storable(source)
         try:
             validate_incident(incident)
@@ -119,22 +122,27 @@ class Controller:
         with self.store.transaction():
             new, merge = self.store.add_incident(incident, source, now)
             if new:
-                self.store.save_record(initial_record(incident), now)
+                self.store.save_record(initial_record(incident, vouched_by), now)
                 self.store.audit(now, self.config.actor, "ingested", f"from {source}", incident.id)
                 log.info("ingested incident %s (job %s) from %s", incident.id, incident.job_id, source)
             elif merge == "filled":
+                # The checkpoint a job is resumed from comes from the first copy only: a later
+                # copy (from anyone holding a credential for the job) cannot fill it in.
+                checkpoint = dict(incident.recommended_checkpoint or {})
+                self.store.audit(
+                    now,
+                    self.config.actor,
+                    "checkpoint not taken",
+                    f"a later copy from {source} names checkpoint step {checkpoint.get('step')}; "
+                    "only the first copy's checkpoint is used",
+                    incident.id,
+                )
+            if not new and merge != "differs" and vouched_by:
                 record = self.store.get_record(incident.id)
-                resuming = model.action_key(record.incident_id, model.ActionKind.RESUME, record.job_id)
-                if record.resume is None and resuming not in record.outstanding:
-                    checkpoint = dict(incident.recommended_checkpoint or {})
-                    self.store.save_record(record.evolve(checkpoint=checkpoint), now)
-                    self.store.audit(
-                        now,
-                        self.config.actor,
-                        "checkpoint added",
-                        f"a later copy from {source} names checkpoint step {checkpoint.get('step')}",
-                        incident.id,
-                    )
+                if not record.vouched_by and record.job_id == incident.job_id:
+                    # The same content, now from a credential scoped to its job.
+                    self.store.save_record(record.evolve(vouched_by=vouched_by), now)
+                    self.store.audit(now, self.config.actor, "vouched", f"{vouched_by} ({source})", incident.id)
             elif merge == "differs":
                 # Same id, other content (e.g. two jobs without a job id): a distinct incident,
                 # stored under an id derived from its content; never merged into the first.
@@ -154,7 +162,7 @@ class Controller:
                 source,
                 distinct.id,
             )
-            return self.ingest(distinct, source)
+            return self.ingest(distinct, source, vouched_by=vouched_by)
         return IngestResult(source, incident.id, new=new)
 
     def ingest_file(self, path: str | Path) -> IngestResult:
@@ -214,7 +222,7 @@ class Controller:
                 if record.state in model.TERMINAL:
                     continue
                 before = record
-                after = self._apply(record.incident_id, self._tick(), self.config.actor, made)
+                after = self._apply(record.incident_id, self._tick(record.job_id), self.config.actor, made)
                 progressed |= after != before
             for row in self.store.due_actions(self._now()):
                 progressed |= self._execute(row, made)
@@ -233,9 +241,10 @@ class Controller:
                 return
             stop.wait(self.config.poll_interval_s)
 
-    def _tick(self) -> model.Tick:
+    def _tick(self, job_id: str | None = None) -> model.Tick:
         now = self._clock()
         since = now - _dt.timedelta(seconds=self.config.replacement_window_s)
+        job_cordons = 0 if job_id is None else self.store.cordons_since(utc_iso_us(since), job_id=job_id)
         return model.Tick(
             now=utc_iso_us(now),
             auto_approve=self.config.auto_approve,
@@ -246,6 +255,8 @@ class Controller:
             cordons_in_window=self.store.cordons_since(utc_iso_us(since)),
             max_cordons=self.config.max_cordons,
             max_cordons_per_incident=self.config.max_cordons_per_incident,
+            job_cordons_in_window=job_cordons,
+            max_cordons_per_job=self.config.max_cordons_per_job,
             return_deadline=utc_iso_us(now + _dt.timedelta(seconds=self.config.return_timeout_s)),
         )
 

@@ -23,7 +23,15 @@ from replicheck.controller.errors import (
     InvalidTransitionError,
     UnknownIncidentError,
 )
-from replicheck.controller.http.auth import Authenticator, AuthError, Principal, RefusalBudget, Role, Token
+from replicheck.controller.http.auth import (
+    Authenticator,
+    AuthError,
+    Principal,
+    RefusalBudget,
+    Role,
+    Token,
+    TokenSource,
+)
 from replicheck.controller.http.limits import Guard, error_body
 from replicheck.controller.http.schema import incident_schema
 from replicheck.controller.http.views import detail_json, summary_json
@@ -57,6 +65,8 @@ class HttpConfig:
     """The controller database the API reads and writes."""
     tokens: tuple[Token, ...] = field(repr=False)
     """Accepted job and operator tokens (from the token files)."""
+    job_token_path: str | None = None
+    """A job token file or directory re-read when it changes (jobs' tokens come and go)."""
     controller: ControllerConfig = field(default_factory=ControllerConfig)
     """The controller's policy: its actor name, and the limits the page explains."""
     applies: bool | None = None
@@ -105,7 +115,8 @@ class DecisionBody(BaseModel):
 def create_app(config: HttpConfig, *, on_change: Callable[[], None] | None = None) -> Any:
     """The ASGI application (the FastAPI app is its ``.app``). ``on_change`` is called after an incident is stored or decided
     (the serving controller uses it to reconcile at once)."""
-    auth = Authenticator(config.tokens)
+    sources = () if config.job_token_path is None else (TokenSource(config.job_token_path, Role.JOB),)
+    auth = Authenticator(config.tokens, sources)
     budget = RefusalBudget(config.refusal_audits_per_minute)
     metrics = None
     if config.metrics:
@@ -263,12 +274,19 @@ def create_app(config: HttpConfig, *, on_change: Callable[[], None] | None = Non
         except (IncidentFormatError, RecursionError) as exc:
             bad_body("schema")
             raise ApiError(422, "invalid_incident", str(exc)) from None
+        if not who.speaks_for(incident.job_id):
+            err = AuthError(
+                403,
+                f"this job token speaks for jobs {','.join(who.jobs or ())}, not for job {incident.job_id}",
+            )
+            refuse(request, err)
+            raise ApiError(403, "forbidden", err.message)
         client = request.client.host if request.client else "unknown"
         source = f"http:{who.name or 'job'}@{client}"
 
         def store() -> Any:
             with controller() as ctl:
-                return ctl.ingest(incident, source)
+                return ctl.ingest(incident, source, vouched_by=who.vouches())
 
         result = await run_in_threadpool(store)
         changed()
