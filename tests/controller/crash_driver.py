@@ -64,7 +64,10 @@ def main() -> int:
             os.kill(os.getpid(), signal.SIGKILL)
 
     ctl = Controller(
-        db, backend=backend, config=ControllerConfig(apply=True, return_poll_s=0, checkpoint_roots=("/ck",)), on_transition=on_transition
+        db,
+        backend=backend,
+        config=ControllerConfig(apply=True, return_poll_s=0, checkpoint_roots=("/ck",)),
+        on_transition=on_transition,
     )
     inc = incident()
     ctl.ingest(inc)

@@ -61,7 +61,18 @@ def test_operator_workflow_through_cli(tmp_path: Path) -> None:
     write_incident(inc, inbox)
     conf = tmp_path / "c.toml"
     conf.write_text('[controller]\ncheckpoint_roots = ["/ck"]\n')
-    run = cli("controller", "run", "--db", str(db), "--config", str(conf), "--watch", str(inbox), "--apply", "--once")
+    run = cli(
+        "controller",
+        "run",
+        "--db",
+        str(db),
+        "--config",
+        str(conf),
+        "--watch",
+        str(inbox),
+        "--apply",
+        "--once",
+    )
     assert run.returncode == 0, run.stderr
     assert "detected -> cordoned" in run.stdout and "cordoned -> awaiting_approval" in run.stdout
     listing = cli("incidents", "list", "--db", str(db))

@@ -445,7 +445,9 @@ def test_replacement_not_back_by_the_deadline_is_excluded(sm: tuple[Any, Stubber
     """DescribeClusterNode polled through the controller: past return_timeout_s the node counts as not back and the job resumes."""
     client, stub = sm
     clock = Clock()
-    config = ControllerConfig(apply=True, checkpoint_roots=("/ck",), auto_approve=True, return_poll_s=5, return_timeout_s=30)
+    config = ControllerConfig(
+        apply=True, checkpoint_roots=("/ck",), auto_approve=True, return_poll_s=5, return_timeout_s=30
+    )
     inc = make_incident(nodes=("ip-10-0-0-2",))
     for _ in range(4):
         two_pages(stub)

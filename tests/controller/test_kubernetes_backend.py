@@ -533,7 +533,10 @@ def test_last_schedulable_node_is_not_cordoned(server: FakeApiServer, clock: Clo
     for other in ("n1", "n3"):
         server.edit_node(other, lambda n: n["spec"].update(unschedulable=True))
     ctl = Controller(
-        tmp_path / "c.db", backend=backend(server, clock), config=ControllerConfig(apply=True, checkpoint_roots=("/ck",)), clock=clock
+        tmp_path / "c.db",
+        backend=backend(server, clock),
+        config=ControllerConfig(apply=True, checkpoint_roots=("/ck",)),
+        clock=clock,
     )
     inc = make_incident(nodes=("n2",))
     ctl.ingest(inc, vouched_by="job token job1 (jobs=job1)")
@@ -549,7 +552,10 @@ def test_last_node_rule_sees_through_host_names(server: FakeApiServer, clock: Cl
         server.edit_node(other, lambda n: n["spec"].update(unschedulable=True))
     assert backend(server).schedulable_by_partition("ip-10-0-0-2") == {"workers": ["ip-10-0-0-2"]}
     ctl = Controller(
-        tmp_path / "c.db", backend=backend(server, clock), config=ControllerConfig(apply=True, checkpoint_roots=("/ck",)), clock=clock
+        tmp_path / "c.db",
+        backend=backend(server, clock),
+        config=ControllerConfig(apply=True, checkpoint_roots=("/ck",)),
+        clock=clock,
     )
     ctl.ingest(make_incident(nodes=("ip-10-0-0-2",)), vouched_by="job token job1 (jobs=job1)")
     ctl.reconcile()

@@ -71,7 +71,9 @@ def test_two_controllers_twenty_trials_no_duplicate_side_effect(tmp_path: Path) 
 def _audited_db(tmp_path: Path) -> Path:
     db = tmp_path / "c.db"
     cluster(db).close()
-    with Controller(db, config=ControllerConfig(apply=True, auto_approve=True, checkpoint_roots=("/ck",))) as ctl:
+    with Controller(
+        db, config=ControllerConfig(apply=True, auto_approve=True, checkpoint_roots=("/ck",))
+    ) as ctl:
         ctl.ingest(make_incident(), vouched_by="job token job1 (jobs=job1)")
         for _ in range(3):
             ctl.reconcile()

@@ -107,7 +107,9 @@ class Live:
     operator_token_file: Path
 
     def controller(self, **config: Any) -> Controller:
-        return Controller(self.db, config=ControllerConfig(**{"apply": True, "checkpoint_roots": ("/ckpt",), **config}))
+        return Controller(
+            self.db, config=ControllerConfig(**{"apply": True, "checkpoint_roots": ("/ckpt",), **config})
+        )
 
 
 def call(

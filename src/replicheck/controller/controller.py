@@ -142,7 +142,9 @@ class Controller:
                 if not record.vouched_by and record.job_id == incident.job_id:
                     # The same content, now from a credential scoped to its job.
                     self.store.save_record(record.evolve(vouched_by=vouched_by), now)
-                    self.store.audit(now, self.config.actor, "vouched", f"{vouched_by} ({source})", incident.id)
+                    self.store.audit(
+                        now, self.config.actor, "vouched", f"{vouched_by} ({source})", incident.id
+                    )
             elif merge == "differs":
                 # Same id, other content (e.g. two jobs without a job id): a distinct incident,
                 # stored under an id derived from its content; never merged into the first.

@@ -109,7 +109,10 @@ class Executor:
             nodes = b.allocation(str(row.params["job_id"]))
             if nodes is None:
                 return {"allocation": None, "detail": f"job {row.params['job_id']} unknown to the backend"}
-            return {"allocation": sorted(nodes), "detail": f"allocation: {', '.join(sorted(nodes)) or 'none'}"}
+            return {
+                "allocation": sorted(nodes),
+                "detail": f"allocation: {', '.join(sorted(nodes)) or 'none'}",
+            }
         if row.kind is ActionKind.RESUME:
             checkpoint = row.params.get("checkpoint")
             job_id = str(row.params["job_id"])

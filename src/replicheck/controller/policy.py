@@ -42,7 +42,9 @@ def allocation_refusal(job_id: str, targets: Sequence[str], allocation: Sequence
     return None
 
 
-def checkpoint_refusal(checkpoint: Mapping[str, object] | None, job_id: str, roots: Sequence[str]) -> str | None:
+def checkpoint_refusal(
+    checkpoint: Mapping[str, object] | None, job_id: str, roots: Sequence[str]
+) -> str | None:
     """Why resuming ``job_id`` from ``checkpoint`` is refused, or None when it may be used: its
     path must lie under one of ``roots`` (``{job_id}`` in a root is replaced by the job id), after
     ``..`` is collapsed. No checkpoint named: nothing to refuse (the job picks its own)."""

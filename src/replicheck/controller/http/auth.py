@@ -172,7 +172,9 @@ class TokenSource:
     def _state(self) -> tuple[tuple[str, int, int, int], ...]:
         p = self.path
         try:
-            entries = [p] + (sorted(e for e in p.iterdir() if not e.name.startswith(".")) if p.is_dir() else [])
+            entries = [p] + (
+                sorted(e for e in p.iterdir() if not e.name.startswith(".")) if p.is_dir() else []
+            )
             out = []
             for e in entries:
                 st = e.stat()
@@ -190,7 +192,9 @@ class TokenSource:
                     self._tokens = read_token_file(self.path, self.role)
                     self._stamp = stamp
                 except ConfigError as exc:
-                    log.error("%s changed but cannot be read; keeping the previous tokens: %s", self.path, exc)
+                    log.error(
+                        "%s changed but cannot be read; keeping the previous tokens: %s", self.path, exc
+                    )
             return self._tokens
 
 
