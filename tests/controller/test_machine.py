@@ -6,7 +6,8 @@ import pytest
 from ctlkit import make_incident
 
 from replicheck.controller.errors import InvalidTransitionError
-from replicheck.controller.machine import transition, initial_record as _initial_record
+from replicheck.controller.machine import initial_record as _initial_record
+from replicheck.controller.machine import transition
 from replicheck.controller.model import (
     ActionDone,
     ActionFailed,
