@@ -487,7 +487,10 @@ def test_dry_run_calls_nothing(sm: tuple[Any, Stubber], tmp_path: Path) -> None:
     inc = make_incident(nodes=("ip-10-0-0-2",))
     ctl.ingest(inc, vouched_by="job token job1 (jobs=job1)")
     ctl.reconcile()
-    (cordon,) = ctl.store.actions(inc.id)
+    # The read-only allocation check runs in dry-run too (answered by _Allocated, not HyperPod).
+    by_kind = {a.kind.value: a for a in ctl.store.actions(inc.id)}
+    assert sorted(by_kind) == ["cordon", "verify"] and by_kind["verify"].status == "done"
+    cordon = by_kind["cordon"]
     assert cordon.status == "pending" and "dry-run" in str(cordon.last_error)
     assert ctl.store.get_record(inc.id).state is State.DETECTED
     ctl.close()
