@@ -23,6 +23,14 @@ def register(subparsers: Any) -> None:
         "--watch", action="append", default=[], metavar="DIR", help="incident directory to watch (repeatable)"
     )
     run.add_argument(
+        "--checkpoint-root",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="directory a job may be resumed from ({job_id} allowed; repeatable; adds to the config's "
+        "checkpoint_roots). Without one, an incident naming a checkpoint is not resumed",
+    )
+    run.add_argument(
         "--incident",
         action="append",
         default=[],
@@ -121,6 +129,9 @@ def _run(args: argparse.Namespace) -> int:
             raise ConfigError(f"--incident {path}: no such file")
     if args.watch:
         config = config.with_overrides(incident_dirs=tuple(config.incident_dirs) + tuple(args.watch))
+    if args.checkpoint_root:
+        roots = tuple(config.checkpoint_roots) + tuple(args.checkpoint_root)
+        config = config.with_overrides(checkpoint_roots=roots)  # ConfigError for a relative path
     db = db_path(args)
     backend = make_backend(settings, db)
 
