@@ -268,7 +268,8 @@ def _undetected(plan: _Plan, say: _Printer, first: list[JobResult], facts: dict[
 
 def _recommend(plan: _Plan, say: _Printer, incident: Incident) -> Incident:
     """The incident with its recommended checkpoint, written where the controller reads it."""
-    incident = CheckpointStore(plan.root / "checkpoints").annotate(incident)
+    # Absolute, as the controller's checkpoint_roots require (--out may be relative).
+    incident = CheckpointStore((plan.root / "checkpoints").resolve()).annotate(incident)
     write_incident(incident, plan.root / "incidents")
     rc = incident.recommended_checkpoint or {}
     say(
