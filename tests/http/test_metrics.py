@@ -39,7 +39,9 @@ def test_metrics_scraped(live: Live) -> None:
     for job in ("a", "b"):
         inc = make_incident(job=job, time=iso(T0 - dt.timedelta(seconds=30)))
         assert call(live.url, "POST", "/api/v1/incidents", inc.to_json(), token=JOB_TOKEN).status == 201
-    with Controller(live.db, config=ControllerConfig(apply=True, checkpoint_roots=("/ckpt",)), clock=clock) as ctl:
+    with Controller(
+        live.db, config=ControllerConfig(apply=True, checkpoint_roots=("/ckpt",)), clock=clock
+    ) as ctl:
         ctl.reconcile()
         now[0] = T0 + dt.timedelta(seconds=600)
         ctl.approve(make_incident(job="a").id, by="alice")

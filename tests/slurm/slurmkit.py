@@ -357,7 +357,9 @@ class SlurmCluster:
         ).stdout
         job = out.strip().split(";")[0]
         self._wait(
-            lambda: "JobState=RUNNING" in self.scontrol("show", "job", job).stdout, timeout, f"job {job} to run"
+            lambda: "JobState=RUNNING" in self.scontrol("show", "job", job).stdout,
+            timeout,
+            f"job {job} to run",
         )
         return job
 

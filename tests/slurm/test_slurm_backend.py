@@ -200,7 +200,9 @@ def test_unreachable_scheduler_retried_then_failed(private_slurm: SlurmCluster, 
     config = ControllerConfig(apply=True, retry_max_attempts=2, retry_base_delay_s=60)
     now = [dt.datetime.now(dt.UTC)]
     # Dry-run first: the read-only allocation check runs while slurmctld is up, the cordon waits.
-    with Controller(tmp_path / "c.db", backend=b, config=config.with_overrides(apply=False), clock=lambda: now[0]) as ctl:
+    with Controller(
+        tmp_path / "c.db", backend=b, config=config.with_overrides(apply=False), clock=lambda: now[0]
+    ) as ctl:
         ctl.ingest(incident("node1", job=job))
         ctl.reconcile()
         assert ctl.store.get_record(incident("node1", job=job).id).allocation == ("node1",)
