@@ -138,3 +138,24 @@ def test_dismiss_with_shared_token_and_refused_token(live: Live, page: Any) -> N
     assert "dismiss requested" in page.inner_text("#audit")
     with live.controller() as ctl:
         assert ctl.store.get_record(inc.id).dismissed_by == "bob"
+
+
+def test_refused_incident_is_listed_with_its_reason(live: Live, page: Any) -> None:
+    """An incident naming a node outside its job's allocation is listed under "Refused" (not
+    hidden from the page), and its detail says nothing was done and why, without a decision."""
+    LocalBackend(live.db).add_job("evil", ("n1",))
+    inc = make_incident(job="evil", nodes=("n2",))
+    assert call(live.url, "POST", "/api/v1/incidents", inc.to_json(), token=JOB_TOKEN).status == 201
+    with live.controller() as ctl:
+        ctl.reconcile()
+        assert ctl.store.get_record(inc.id).state is State.REFUSED
+    page.goto(live.url + "/")
+    page.fill("#token", ALICE_TOKEN)
+    page.click("#signin button[type=submit]")
+    group = page.wait_for_selector(".group:has(a[data-incident='evil-s40-replay'])")
+    assert group.inner_text().startswith("Refused: not the job's own nodes")
+    page.click(f"#list a[data-incident='{inc.id}']")
+    page.wait_for_selector("#state:has-text('refused')")
+    status = page.inner_text("#status-line")
+    assert status.startswith("Refused: nothing was done") and "not in job evil's allocation" in status
+    assert page.is_hidden("#decision")
