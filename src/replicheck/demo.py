@@ -244,6 +244,7 @@ def _cluster(plan: _Plan, config: DemoConfig) -> tuple[LocalBackend, list[str]]:
     backend = LocalBackend(plan.root / "controller.db")
     for n in plan.names:
         backend.add_node(n)
+    backend.add_job("demo-job", plan.names)  # the allocation the controller checks incidents against
     spare_names = [f"spare{i}" for i in range(config.spares)]
     for n in spare_names:
         backend.add_node(n, spare=True)
@@ -267,7 +268,8 @@ def _undetected(plan: _Plan, say: _Printer, first: list[JobResult], facts: dict[
 
 def _recommend(plan: _Plan, say: _Printer, incident: Incident) -> Incident:
     """The incident with its recommended checkpoint, written where the controller reads it."""
-    incident = CheckpointStore(plan.root / "checkpoints").annotate(incident)
+    # Absolute, as the controller's checkpoint_roots require (--out may be relative).
+    incident = CheckpointStore((plan.root / "checkpoints").resolve()).annotate(incident)
     write_incident(incident, plan.root / "incidents")
     rc = incident.recommended_checkpoint or {}
     say(
@@ -292,6 +294,7 @@ def _control(
         auto_approve=False,
         triage_persistent=True,
         incident_dirs=(str(plan.root / "incidents"),),
+        checkpoint_roots=(str((plan.root / "checkpoints").resolve()),),
         retry_base_delay_s=0.0,
     )
     transitions: list[dict[str, Any]] = []

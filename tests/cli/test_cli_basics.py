@@ -73,12 +73,16 @@ def test_incidents_list_has_a_header_row(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(60)
 def test_local_nodes_are_declared_through_the_cli(tmp_path: Path) -> None:
-    """`nodes add` declares local nodes and spares in a fresh database; `nodes` lists them under
-    a header; `controller run --apply --once` then cordons the suspect instead of 'unknown node'."""
+    """`nodes add` declares local nodes and spares in a fresh database, and with --job the job
+    running on them (its allocation; a bad job id adds nothing); `nodes` lists them under a
+    header; `controller run --apply --once` then cordons the suspect instead of 'unknown node'."""
     db = str(tmp_path / "c.db")
     empty = replicheck("nodes", "add", "--db", db, "--spare", "s1")
     assert empty.returncode == 0 and "s1: spare" in empty.stdout
-    assert replicheck("nodes", "add", "n1", "n2", "--db", db).returncode == 0
+    added = replicheck("nodes", "add", "n1", "n2", "--db", db, "--job", "job1")
+    assert added.returncode == 0 and "job job1: runs on n1, n2" in added.stdout
+    bad_job = replicheck("nodes", "add", "n3", "--db", db, "--job", "a b")
+    assert bad_job.returncode == 2 and "not a job id" in bad_job.stderr
     bad = replicheck("nodes", "add", "n3", "--bad name", "--db", db)
     assert bad.returncode == 2 and "invalid node name" in bad.stderr
     listing = replicheck("nodes", "--db", db)

@@ -56,6 +56,7 @@ def main() -> int:
         local.add_node(name)
     local.add_node("s1", spare=True)
     local.set_healthy("n3", False)
+    local.add_job("job7", ("n1", "n2", "n3", "n4"))
     backend: Any = KillAfter(local, point[5:]) if point.startswith("call:") else local
 
     def on_transition(t: Any) -> None:
@@ -63,7 +64,10 @@ def main() -> int:
             os.kill(os.getpid(), signal.SIGKILL)
 
     ctl = Controller(
-        db, backend=backend, config=ControllerConfig(apply=True, return_poll_s=0), on_transition=on_transition
+        db,
+        backend=backend,
+        config=ControllerConfig(apply=True, return_poll_s=0, checkpoint_roots=("/ck",)),
+        on_transition=on_transition,
     )
     inc = incident()
     ctl.ingest(inc)

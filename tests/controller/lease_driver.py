@@ -35,6 +35,7 @@ class Logged:
 def main() -> int:
     db, log = sys.argv[1], sys.argv[2]
     local = LocalBackend(db)
+    local.add_job("job9", ("n1", "n2", "n3"))
     inc = Incident(
         id="job9-s5-replay",
         job_id="job9",
@@ -47,9 +48,9 @@ def main() -> int:
         world_size=4,
         recommended_checkpoint={"step": 4, "path": "/ck/4"},
     )
-    config = ControllerConfig(apply=True, auto_approve=True, return_poll_s=0)
+    config = ControllerConfig(apply=True, auto_approve=True, return_poll_s=0, checkpoint_roots=("/ck",))
     with Controller(db, backend=Logged(local, log), config=config) as ctl:  # type: ignore[arg-type]
-        ctl.ingest(inc)
+        ctl.ingest(inc, vouched_by="job token job9 (jobs=job9)")
         try:
             for _ in range(30):
                 ctl.reconcile()

@@ -59,14 +59,27 @@ def test_operator_workflow_through_cli(tmp_path: Path) -> None:
     inbox = tmp_path / "inbox"
     inc = make_incident()
     write_incident(inc, inbox)
-    run = cli("controller", "run", "--db", str(db), "--watch", str(inbox), "--apply", "--once")
+    conf = tmp_path / "c.toml"
+    conf.write_text('[controller]\ncheckpoint_roots = ["/ck"]\n')
+    run = cli(
+        "controller",
+        "run",
+        "--db",
+        str(db),
+        "--config",
+        str(conf),
+        "--watch",
+        str(inbox),
+        "--apply",
+        "--once",
+    )
     assert run.returncode == 0, run.stderr
     assert "detected -> cordoned" in run.stdout and "cordoned -> awaiting_approval" in run.stdout
     listing = cli("incidents", "list", "--db", str(db))
     assert inc.id in listing.stdout and "awaiting_approval" in listing.stdout
     approve = cli("incidents", "approve", inc.id, "--by", "alice", "--db", str(db))
     assert approve.returncode == 0 and "approved by alice" in approve.stdout
-    run = cli("controller", "run", "--db", str(db), "--apply", "--once")
+    run = cli("controller", "run", "--db", str(db), "--config", str(conf), "--apply", "--once")
     assert "replaced -> resumed" in run.stdout, run.stdout + run.stderr
     show = cli("incidents", "show", inc.id, "--json", "--db", str(db))
     data = json.loads(show.stdout)

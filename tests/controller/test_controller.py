@@ -94,12 +94,14 @@ def test_permanent_error_fails_at_once(env) -> None:
 
 
 def test_unknown_node_fails_with_reason(env) -> None:
-    """An incident naming a node the cluster does not know ends failed, saying which node."""
-    ctl, _, _ = env()
+    """An incident naming a node outside its job's allocation (here one the cluster does not
+    know) is refused, saying which node, and nothing is cordoned."""
+    ctl, backend, _ = env()
     ctl.ingest(make_incident(nodes=("ghost",)))
     ctl.reconcile()
     record = ctl.store.get_record(make_incident().id)
-    assert record.state is State.FAILED and "ghost" in record.reason
+    assert record.state is State.REFUSED and "ghost" in record.reason
+    assert backend.calls["cordon"] == 0
 
 
 def test_dry_run_performs_nothing_destructive(env) -> None:
@@ -109,7 +111,7 @@ def test_dry_run_performs_nothing_destructive(env) -> None:
     ctl.reconcile()
     ctl.reconcile()
     assert backend.calls["cordon"] == 0 and local.op_counts() == {}
-    (action,) = ctl.store.actions()
+    (action,) = [a for a in ctl.store.actions() if a.kind.value == "cordon"]
     assert action.status == "pending" and action.last_error == DRY_RUN_NOTE and action.attempts == 0
     notes = [a for a in ctl.store.audit_rows() if a.outcome == DRY_RUN_NOTE]
     assert len(notes) == 1

@@ -64,8 +64,16 @@ def sm() -> Iterator[tuple[Any, Stubber]]:
         stub.assert_no_pending_responses()
 
 
+class _Allocated(HyperPodBackend):
+    """HyperPod without an orchestrator cannot verify a job (allocation() is None: tested in
+    test_job_authority.py); these tests are about replacing, so job1 runs on every node."""
+
+    def allocation(self, job_id: str) -> frozenset[str] | None:
+        return frozenset({"ip-10-0-0-1", "ip-10-0-0-2", "ip-10-0-0-3", "n1", "n2", "n3"})
+
+
 def hp(client: Any, clock: Clock | None = None, **config: Any) -> HyperPodBackend:
-    return HyperPodBackend(HyperPodConfig(cluster_name=CLUSTER, **config), client=client, clock=clock)
+    return _Allocated(HyperPodConfig(cluster_name=CLUSTER, **config), client=client, clock=clock)
 
 
 def expect_list(stub: Stubber, *nodes: dict[str, Any], **params: Any) -> None:
@@ -331,7 +339,7 @@ def test_controller_killed_between_request_and_record_replaces_once(
     """Killed after BatchReplaceClusterNodes returned, a restarted controller finds ShuttingDown and sends no second request."""
     client, stub = sm
     clock = Clock()
-    db, config = tmp_path / "c.db", ControllerConfig(apply=True, auto_approve=True)
+    db, config = tmp_path / "c.db", ControllerConfig(apply=True, checkpoint_roots=("/ck",), auto_approve=True)
     inc = make_incident(nodes=("ip-10-0-0-2",))
     # First run: last-node check (lookup + listing), cordon (lookup only: no orchestrator), replace (lookup).
     for _ in range(4):
@@ -340,7 +348,7 @@ def test_controller_killed_between_request_and_record_replaces_once(
         "batch_replace_cluster_nodes", {"Successful": [OLD]}, {"ClusterName": CLUSTER, "NodeIds": [OLD]}
     )
     ctl = Controller(db, backend=DiesAfterReplace(hp(client, clock)), config=config, clock=clock)
-    ctl.ingest(inc)
+    ctl.ingest(inc, vouched_by="job token job1 (jobs=job1)")
     with pytest.raises(Killed):
         ctl.reconcile()
     ctl.close()
@@ -361,7 +369,7 @@ def test_throttled_replace_is_retried_by_the_controller(sm: tuple[Any, Stubber],
     """A throttled BatchReplaceClusterNodes is a temporary error: the controller retries it later and it succeeds once."""
     client, stub = sm
     clock = Clock()
-    config = ControllerConfig(apply=True, auto_approve=True, retry_base_delay_s=1)
+    config = ControllerConfig(apply=True, checkpoint_roots=("/ck",), auto_approve=True, retry_base_delay_s=1)
     inc = make_incident(nodes=("ip-10-0-0-2",))
     for _ in range(4):
         two_pages(stub)
@@ -372,7 +380,7 @@ def test_throttled_replace_is_retried_by_the_controller(sm: tuple[Any, Stubber],
         expected_params={"ClusterName": CLUSTER, "NodeIds": [OLD]},
     )
     ctl = Controller(tmp_path / "c.db", backend=hp(client, clock), config=config, clock=clock)
-    ctl.ingest(inc)
+    ctl.ingest(inc, vouched_by="job token job1 (jobs=job1)")
     ctl.reconcile()
     (replace,) = [a for a in ctl.store.actions(inc.id) if a.kind.value == "replace"]
     assert replace.status == "pending" and "ThrottlingException" in str(replace.last_error)
@@ -437,7 +445,9 @@ def test_replacement_not_back_by_the_deadline_is_excluded(sm: tuple[Any, Stubber
     """DescribeClusterNode polled through the controller: past return_timeout_s the node counts as not back and the job resumes."""
     client, stub = sm
     clock = Clock()
-    config = ControllerConfig(apply=True, auto_approve=True, return_poll_s=5, return_timeout_s=30)
+    config = ControllerConfig(
+        apply=True, checkpoint_roots=("/ck",), auto_approve=True, return_poll_s=5, return_timeout_s=30
+    )
     inc = make_incident(nodes=("ip-10-0-0-2",))
     for _ in range(4):
         two_pages(stub)
@@ -446,7 +456,7 @@ def test_replacement_not_back_by_the_deadline_is_excluded(sm: tuple[Any, Stubber
     )
     describe(stub, "ShuttingDown")
     ctl = Controller(tmp_path / "c.db", backend=hp(client, clock), config=config, clock=clock)
-    ctl.ingest(inc)
+    ctl.ingest(inc, vouched_by="job token job1 (jobs=job1)")
     ctl.reconcile()
     assert ctl.store.get_record(inc.id).state is State.REPLACING
     stub.assert_no_pending_responses()
@@ -475,9 +485,12 @@ def test_dry_run_calls_nothing(sm: tuple[Any, Stubber], tmp_path: Path) -> None:
         clock=Clock(),
     )
     inc = make_incident(nodes=("ip-10-0-0-2",))
-    ctl.ingest(inc)
+    ctl.ingest(inc, vouched_by="job token job1 (jobs=job1)")
     ctl.reconcile()
-    (cordon,) = ctl.store.actions(inc.id)
+    # The read-only allocation check runs in dry-run too (answered by _Allocated, not HyperPod).
+    by_kind = {a.kind.value: a for a in ctl.store.actions(inc.id)}
+    assert sorted(by_kind) == ["cordon", "verify"] and by_kind["verify"].status == "done"
+    cordon = by_kind["cordon"]
     assert cordon.status == "pending" and "dry-run" in str(cordon.last_error)
     assert ctl.store.get_record(inc.id).state is State.DETECTED
     ctl.close()

@@ -38,6 +38,8 @@ def server(clock: Clock) -> Iterator[FakeApiServer]:
     with FakeApiServer(clock=clock, job_runner=lambda job: (True, "warming up\n" + GOOD)) as srv:
         for name in ("n1", "n2", "n3"):
             srv.add_node(make_node(name, group="workers", internal_dns=f"ip-10-0-0-{name[1]}.ec2.internal"))
+            # job1's ranks (the incidents' job) run on every node: the allocation check passes.
+            srv.add_pod("default", f"job1-{name}", name, labels={"job-name": "job1"})
         yield srv
 
 
@@ -486,10 +488,10 @@ def test_controller_plays_the_story_and_never_replaces_twice(
 ) -> None:
     """detect, cordon, approve, replace (controller killed after the patch, restarted), await, resume: one health-label patch."""
     db = tmp_path / "ctl.db"
-    config = ControllerConfig(apply=True, return_poll_s=5)
+    config = ControllerConfig(apply=True, checkpoint_roots=("/ck",), return_poll_s=5)
     inc = make_incident(nodes=("n2",))
     ctl = Controller(db, backend=DiesAfter(backend(server, clock), "replace"), config=config, clock=clock)
-    ctl.ingest(inc)
+    ctl.ingest(inc, vouched_by="job token job1 (jobs=job1)")
     assert [t.to_state for t in ctl.reconcile()] == [State.CORDONED, State.AWAITING_APPROVAL]
     ctl.approve(inc.id, by="alice")
     with pytest.raises(Killed):
@@ -520,7 +522,7 @@ def test_dry_run_sends_no_write(server: FakeApiServer, clock: Clock, tmp_path: P
         config=ControllerConfig(auto_approve=True),
         clock=clock,
     )
-    ctl.ingest(make_incident(nodes=("n2",)))
+    ctl.ingest(make_incident(nodes=("n2",)), vouched_by="job token job1 (jobs=job1)")
     ctl.reconcile()
     assert [r.method for r in server.requests if r.method != "GET"] == []
     ctl.close()
@@ -531,10 +533,13 @@ def test_last_schedulable_node_is_not_cordoned(server: FakeApiServer, clock: Clo
     for other in ("n1", "n3"):
         server.edit_node(other, lambda n: n["spec"].update(unschedulable=True))
     ctl = Controller(
-        tmp_path / "c.db", backend=backend(server, clock), config=ControllerConfig(apply=True), clock=clock
+        tmp_path / "c.db",
+        backend=backend(server, clock),
+        config=ControllerConfig(apply=True, checkpoint_roots=("/ck",)),
+        clock=clock,
     )
     inc = make_incident(nodes=("n2",))
-    ctl.ingest(inc)
+    ctl.ingest(inc, vouched_by="job token job1 (jobs=job1)")
     ctl.reconcile()
     assert patches(server) == []
     assert "last schedulable node" in str(ctl.store.get_record(inc.id).cordon_skipped)
@@ -547,9 +552,12 @@ def test_last_node_rule_sees_through_host_names(server: FakeApiServer, clock: Cl
         server.edit_node(other, lambda n: n["spec"].update(unschedulable=True))
     assert backend(server).schedulable_by_partition("ip-10-0-0-2") == {"workers": ["ip-10-0-0-2"]}
     ctl = Controller(
-        tmp_path / "c.db", backend=backend(server, clock), config=ControllerConfig(apply=True), clock=clock
+        tmp_path / "c.db",
+        backend=backend(server, clock),
+        config=ControllerConfig(apply=True, checkpoint_roots=("/ck",)),
+        clock=clock,
     )
-    ctl.ingest(make_incident(nodes=("ip-10-0-0-2",)))
+    ctl.ingest(make_incident(nodes=("ip-10-0-0-2",)), vouched_by="job token job1 (jobs=job1)")
     ctl.reconcile()
     assert patches(server) == []
     ctl.close()
@@ -560,11 +568,11 @@ def test_blast_radius_allows_one_replacement(server: FakeApiServer, clock: Clock
     ctl = Controller(
         tmp_path / "c.db",
         backend=backend(server, clock),
-        config=ControllerConfig(apply=True, auto_approve=True, max_replacements=1),
+        config=ControllerConfig(apply=True, checkpoint_roots=("/ck",), auto_approve=True, max_replacements=1),
         clock=clock,
     )
-    ctl.ingest(make_incident(nodes=("n2",), step=40))
-    ctl.ingest(make_incident(nodes=("n3",), step=50))
+    ctl.ingest(make_incident(nodes=("n2",), step=40), vouched_by="job token job1 (jobs=job1)")
+    ctl.ingest(make_incident(nodes=("n3",), step=50), vouched_by="job token job1 (jobs=job1)")
     ctl.reconcile()
     assert health_patches(server) == 1
     ctl.close()

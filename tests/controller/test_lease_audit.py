@@ -71,8 +71,10 @@ def test_two_controllers_twenty_trials_no_duplicate_side_effect(tmp_path: Path) 
 def _audited_db(tmp_path: Path) -> Path:
     db = tmp_path / "c.db"
     cluster(db).close()
-    with Controller(db, config=ControllerConfig(apply=True, auto_approve=True)) as ctl:
-        ctl.ingest(make_incident())
+    with Controller(
+        db, config=ControllerConfig(apply=True, auto_approve=True, checkpoint_roots=("/ck",))
+    ) as ctl:
+        ctl.ingest(make_incident(), vouched_by="job token job1 (jobs=job1)")
         for _ in range(3):
             ctl.reconcile()
         assert ctl.store.get_record(make_incident().id).state is State.RESUMED

@@ -6,7 +6,8 @@ import pytest
 from ctlkit import make_incident
 
 from replicheck.controller.errors import InvalidTransitionError
-from replicheck.controller.machine import initial_record, transition
+from replicheck.controller.machine import initial_record as _initial_record
+from replicheck.controller.machine import transition
 from replicheck.controller.model import (
     ActionDone,
     ActionFailed,
@@ -22,6 +23,13 @@ from replicheck.controller.model import (
 
 pytestmark = pytest.mark.timeout(30)
 NOW = "2025-01-01T00:00:00+00:00"
+
+
+def initial_record(incident, vouched_by: str = "job token test (jobs=*)"):  # type: ignore[no-untyped-def]
+    """The record as the controller keeps it once the allocation check passed (the check's
+    own transitions are tested in test_job_authority.py): every named node in the allocation."""
+    record = _initial_record(incident, vouched_by)
+    return record.evolve(allocation=record.targets)
 
 
 def tick(**kw: object) -> Tick:
@@ -170,6 +178,7 @@ def test_replacement_then_return_then_resume() -> None:
         "job_id": "job1",
         "checkpoint": {"step": 30, "path": "/ck/30"},
         "exclude": ["n2"],
+        "allocation": ["n2"],
     }
     r = done(step, detail="ok")
     assert transition(r, tick()).record.state is State.RESUMED

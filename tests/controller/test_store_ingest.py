@@ -162,20 +162,21 @@ def test_reconcile_reads_configured_dirs(tmp_path: Path) -> None:
     backend = LocalBackend(tmp_path / "c.db")
     for n in ("n1", "n2", "n3"):
         backend.add_node(n)
+    backend.add_job("job1", ("n1", "n2", "n3"))  # the incident's job and its allocation
     with Controller(
         tmp_path / "c.db", backend=backend, config=ControllerConfig(apply=True, incident_dirs=(str(inbox),))
     ) as ctl:
         assert [t.to_state for t in ctl.reconcile()] == [State.CORDONED, State.AWAITING_APPROVAL]
 
 
-def test_later_copy_may_add_the_checkpoint(tmp_path: Path) -> None:
-    """A duplicate that only adds a recommended_checkpoint updates the stored incident and record."""
+def test_later_copy_does_not_add_the_checkpoint(tmp_path: Path) -> None:
+    """A duplicate that only adds a recommended_checkpoint is counted and audited, but neither the
+    stored incident nor the record takes it: the first copy's checkpoint is the one used (issue 27;
+    the resume this protects is tested in test_job_authority.py)."""
     with Controller(tmp_path / "c.db") as ctl:
         ctl.ingest(make_incident(checkpoint_step=None))
         assert ctl.records()[0].checkpoint is None
-        ctl.ingest(make_incident(checkpoint_step=30))
-        assert ctl.records()[0].checkpoint == {"step": 30, "path": "/ck/30"}
-        assert ctl.store.get_incident(make_incident().id).incident.recommended_checkpoint == {
-            "step": 30,
-            "path": "/ck/30",
-        }
+        assert ctl.ingest(make_incident(checkpoint_step=30)).new is False
+        assert ctl.records()[0].checkpoint is None
+        assert ctl.store.get_incident(make_incident().id).incident.recommended_checkpoint is None
+        assert any(a.what == "checkpoint not taken" for a in ctl.store.audit_rows(make_incident().id))

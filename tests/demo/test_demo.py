@@ -13,10 +13,13 @@ import pytest
 
 @pytest.mark.timeout(900)
 def test_demo_detects_replaces_resumes_and_loses_nothing(tmp_path: Path) -> None:
-    """The default demo names node1 at step 30, resumes from step 20 on the spare, and ends bit-identical."""
+    """The default demo names node1 at step 30, resumes from step 20 on the spare, and ends
+    bit-identical; its --out is relative (like the default), yet the checkpoint it resumes from is
+    named by an absolute path under the controller's checkpoint root."""
     out = tmp_path / "demo"
     proc = subprocess.run(
-        [sys.executable, "-m", "replicheck", "demo", "--yes", "--out", str(out)],
+        [sys.executable, "-m", "replicheck", "demo", "--yes", "--out", "demo"],
+        cwd=tmp_path,
         capture_output=True,
         text=True,
         timeout=850,
@@ -26,6 +29,7 @@ def test_demo_detects_replaces_resumes_and_loses_nothing(tmp_path: Path) -> None
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     facts = json.loads((out / "demo.json").read_text())
     inc = facts["incident"]
+    assert inc["recommended_checkpoint"]["path"].startswith(str((out / "checkpoints").resolve()) + "/")
     assert (inc["step"], inc["check"], inc["suspect_ranks"], inc["suspect_nodes"]) == (
         30,
         "replay",

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from replicheck.guard import Guard, GuardConfig, current_pass, current_step
-from replicheck.incident import Incident
 from replicheck.harness.jobs import JobSpec, train
 from replicheck.harness.launch import RankContext, node_names, run_local
 from replicheck.harness.workloads import DecoderConfig
+from replicheck.incident import Incident
 
 TINY = DecoderConfig(vocab=64, d_model=32, n_layers=2, n_heads=2, seq_len=16)
 

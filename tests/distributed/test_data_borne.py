@@ -56,7 +56,9 @@ def test_inf_from_the_data_is_classified_data_and_names_no_node(tmp_path: Path) 
     assert rerun["rank"] == 1 and rerun["peer"] == 2 and rerun["peer_rerun_norm"] in ("inf", "nan")
     written = read_incident(next(tmp_path.glob("*.json")))
     assert written.classification == "data" and written.version == 2
-    step = transition(initial_record(written), Tick(now="2026-01-01T00:00:00+00:00", auto_approve=True))
+    # Once the job is verified (it names no node, so any allocation covers it): no action at all.
+    verified = initial_record(written).evolve(allocation=("node0",))
+    step = transition(verified, Tick(now="2026-01-01T00:00:00+00:00", auto_approve=True))
     assert step.actions == () and step.record.state is State.AWAITING_APPROVAL
 
 

@@ -72,6 +72,16 @@ def cluster(db: Path) -> None:
     for n in ("n1", "n2", "n3"):
         backend.add_node(n)
     backend.add_node("s1", spare=True)
+    for job in JOBS:  # the jobs these tests report on, for the allocation check
+        backend.add_job(job, ("n1", "n2", "n3"))
+
+
+JOBS = (
+    ("job1", "job2", "a", "b", "train-7", "train-42")
+    + tuple(f"race{n}" for n in range(8))
+    + tuple(f"r{n}" for n in range(8))
+)
+"""The jobs of the HTTP tests, each running on n1-n3 (a test of another job registers it)."""
 
 
 def write_tokens(directory: Path) -> tuple[Path, Path]:
@@ -105,7 +115,9 @@ class Live:
     operator_token_file: Path
 
     def controller(self, **config: Any) -> Controller:
-        return Controller(self.db, config=ControllerConfig(**{"apply": True, **config}))
+        return Controller(
+            self.db, config=ControllerConfig(**{"apply": True, "checkpoint_roots": ("/ckpt",), **config})
+        )
 
 
 def call(

@@ -85,7 +85,19 @@ def test_controller_run_with_http(tmp_path: Path, tokens: tuple[Path, Path]) -> 
     cluster(db)
     job, operator = tokens
     proc, url = _start(
-        ["controller", "run", "--db", str(db), "--apply", "--http", "127.0.0.1:0", "--interval", "60"],
+        [
+            "controller",
+            "run",
+            "--db",
+            str(db),
+            "--apply",
+            "--checkpoint-root",
+            "/ckpt",  # the incident's checkpoint is /ckpt/step-30
+            "--http",
+            "127.0.0.1:0",
+            "--interval",
+            "60",
+        ],
         _env(REPLICHECK_JOB_TOKEN_FILE=str(job), REPLICHECK_OPERATOR_TOKEN_FILE=str(operator)),
     )
     try:

@@ -10,7 +10,7 @@ import pytest
 from httpkit import ALICE_TOKEN, JOB_TOKEN, Live, call, iso, make_incident
 from prometheus_client.parser import text_string_to_metric_families
 
-from replicheck.controller import Controller, ControllerConfig
+from replicheck.controller import Controller, ControllerConfig, LocalBackend
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -39,7 +39,9 @@ def test_metrics_scraped(live: Live) -> None:
     for job in ("a", "b"):
         inc = make_incident(job=job, time=iso(T0 - dt.timedelta(seconds=30)))
         assert call(live.url, "POST", "/api/v1/incidents", inc.to_json(), token=JOB_TOKEN).status == 201
-    with Controller(live.db, config=ControllerConfig(apply=True), clock=clock) as ctl:
+    with Controller(
+        live.db, config=ControllerConfig(apply=True, checkpoint_roots=("/ckpt",)), clock=clock
+    ) as ctl:
         ctl.reconcile()
         now[0] = T0 + dt.timedelta(seconds=600)
         ctl.approve(make_incident(job="a").id, by="alice")
@@ -75,6 +77,7 @@ def test_failures_and_rejected_bodies_counted(live: Live) -> None:
     """Failed backend attempts (a cordon of a node the cluster does not know) and refused
     request bodies show up in their series."""
     inc = make_incident(job="f", nodes=("ghost",))
+    LocalBackend(live.db).add_job("f", ("ghost",))  # job f ran on a node the cluster no longer knows
     call(live.url, "POST", "/api/v1/incidents", inc.to_json(), token=JOB_TOKEN)
     call(live.url, "POST", "/api/v1/incidents", b"{", token=JOB_TOKEN)
     call(live.url, "POST", "/api/v1/incidents", b"[]", token=JOB_TOKEN)

@@ -169,3 +169,24 @@ def test_detail_view_reset_for_odd_evidence(live: Live, page: Any) -> None:
     assert "n3" not in pairs and "<img src=x onerror=alert(1)>" in pairs
     assert page.locator("#pairs img").count() == 0
     assert errors == []
+
+
+def test_refused_incident_is_listed_with_its_reason(live: Live, page: Any) -> None:
+    """An incident naming a node outside its job's allocation is listed under "Refused" (not
+    hidden from the page), and its detail says nothing was done and why, without a decision."""
+    LocalBackend(live.db).add_job("evil", ("n1",))
+    inc = make_incident(job="evil", nodes=("n2",))
+    assert call(live.url, "POST", "/api/v1/incidents", inc.to_json(), token=JOB_TOKEN).status == 201
+    with live.controller() as ctl:
+        ctl.reconcile()
+        assert ctl.store.get_record(inc.id).state is State.REFUSED
+    page.goto(live.url + "/")
+    page.fill("#token", ALICE_TOKEN)
+    page.click("#signin button[type=submit]")
+    group = page.wait_for_selector(".group:has(a[data-incident='evil-s40-replay'])")
+    assert group.inner_text().startswith("Refused: not the job's own nodes")
+    page.click(f"#list a[data-incident='{inc.id}']")
+    page.wait_for_selector("#state:has-text('refused')")
+    status = page.inner_text("#status-line")
+    assert status.startswith("Refused: nothing was done") and "not in job evil's allocation" in status
+    assert page.is_hidden("#decision")

@@ -42,3 +42,13 @@ def test_dry_run_and_replacement_limit_are_said(tmp_path: Path) -> None:
     assert "needs 2 replacements but the policy allows 1 per 24 h; it will wait" in text["approve"]
     assert text["approve"].endswith("performs no cluster action.")
     assert text["dismiss"].endswith("performs no cluster action.")
+
+
+def test_refused_status_says_nothing_was_done(tmp_path: Path) -> None:
+    """A refused incident (a node outside its job's allocation) is stated as refused, with the
+    reason, not as "no decision yet"."""
+    ctl, iid = _view(tmp_path, job="ghost-job")  # a job the cluster does not know
+    with ctl:
+        text = consequences(ctl.show(iid), ControllerConfig(), applies=True)
+    assert text["status"].startswith("Refused: nothing was done and nothing will be")
+    assert "job ghost-job is not known to the backend" in text["status"]

@@ -120,9 +120,11 @@ def main() -> int:
         return_timeout_s=0,
         return_poll_s=0,
         retry_base_delay_s=0,
+        checkpoint_roots=(str(here),),  # the incident's checkpoint path
     )
     with Controller(db, backend=KillAt(backend, point) if point else backend, config=config) as ctl:  # type: ignore[arg-type]
-        ctl.ingest(inc)
+        # As if posted with the job's own scoped token: auto-approve acts only on such incidents.
+        ctl.ingest(inc, vouched_by=f"job token {job} (jobs={job})")
         for _ in range(20):
             ctl.reconcile()
             record = ctl.store.get_record(inc.id)

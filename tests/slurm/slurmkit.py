@@ -330,6 +330,39 @@ class SlurmCluster:
     def scontrol(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         return self.run(_which("scontrol"), *args, check=check)
 
+    def ended_job(self, *nodes: str, exit_code: int = 87, timeout: float = 30.0) -> str:
+        """The id of a job that ran on ``nodes`` and exited with ``exit_code`` (87: a guarded job
+        that detected corruption), once slurmctld shows it ended: the job an incident is about."""
+        out = self.run(
+            _which("sbatch"),
+            "--parsable",
+            f"-N{len(nodes)}",
+            "-w",
+            ",".join(nodes),
+            "-o",
+            "/dev/null",
+            "--wrap",
+            f"exit {exit_code}",
+        ).stdout
+        job = out.strip().split(";")[0]
+        ended = "JobState=FAILED" if exit_code else "JobState=COMPLETED"
+        self._wait(lambda: ended in self.scontrol("show", "job", job).stdout, timeout, f"job {job} to end")
+        return job
+
+    def running_job(self, node: str, timeout: float = 30.0) -> str:
+        """The id of a job running (sleeping) on ``node``, once slurmctld shows it running; the
+        caller cancels it (``scancel``)."""
+        out = self.run(
+            _which("sbatch"), "--parsable", "-N1", "-n1", "-w", node, "-o", "/dev/null", "--wrap", "sleep 600"
+        ).stdout
+        job = out.strip().split(";")[0]
+        self._wait(
+            lambda: "JobState=RUNNING" in self.scontrol("show", "job", job).stdout,
+            timeout,
+            f"job {job} to run",
+        )
+        return job
+
     def node_states(self) -> dict[str, tuple[str, str]]:
         out = self.run(_which("sinfo"), "--noheader", "--Node", "--format", "%N|%T|%E").stdout
         states = {}

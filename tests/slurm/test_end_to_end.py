@@ -95,7 +95,7 @@ def test_detect_drain_approve_replace_resubmit(slurm: SlurmCluster, tmp_path: Pa
     resume_wrap = f"srun {task} --port {resume_port} --resume-checkpoint {{checkpoint}}"
     config.write_text(
         "[controller]\nbackend = 'slurm'\napply = true\nretry_base_delay_s = 0.2\nreturn_poll_s = 0.2\n"
-        f"incident_dirs = ['{incidents}']\n"
+        f"incident_dirs = ['{incidents}']\ncheckpoint_roots = ['{ckpts}']\n"
         "[slurm]\nresume_mode = 'resubmit'\n"
         "resubmit_command = ['sbatch', '--parsable', '-N2', '--ntasks-per-node=2', '--exclude={exclude}', "
         f"'--comment={{marker}}', '{env_export}', '-o', '{out}/resumed.log', '--wrap', \"{resume_wrap}\"]\n"

@@ -136,7 +136,9 @@ def test_requeue_resume_excludes_node_and_is_idempotent(slurm: SlurmCluster, tmp
         assert time.monotonic() < deadline
         time.sleep(0.2)
     b, runner = backend(slurm)
-    req = ResumeRequest("inc", job, {"step": 5, "path": "/ck"}, ("node2",))
+    allocation = b.allocation(job)  # what the controller's verify action records
+    assert allocation  # the ended job's node, from slurmctld (MinJobAge) or accounting
+    req = ResumeRequest("inc", job, {"step": 5, "path": "/ck"}, ("node2",), allocation=tuple(allocation))
     b.resume(req, "inc:resume:" + job)
     b.resume(req, "inc:resume:" + job)
     info = slurm.scontrol("--oneliner", "show", "job", job).stdout
@@ -147,22 +149,24 @@ def test_requeue_resume_excludes_node_and_is_idempotent(slurm: SlurmCluster, tmp
 
 def test_controller_drives_slurm_to_awaiting_approval(slurm: SlurmCluster, tmp_path: Path) -> None:
     """The controller with the slurm backend drains the suspect and waits for approval."""
+    job = slurm.ended_job("node3")  # the guarded job on node3 exited 87
     b, _ = backend(slurm)
     with Controller(tmp_path / "c.db", backend=b, config=ControllerConfig(apply=True)) as ctl:
-        ctl.ingest(incident("node3"))
+        ctl.ingest(incident("node3", job=job))
         assert [t.to_state for t in ctl.reconcile()] == [State.CORDONED, State.AWAITING_APPROVAL]
     assert slurm.node_states()["node3"] == ("drained", REASON)
 
 
 def test_last_schedulable_node_is_not_drained(slurm: SlurmCluster, tmp_path: Path) -> None:
     """With the other nodes of the partition drained, the suspect stays schedulable and the record says why."""
+    job = slurm.ended_job("node3")
     for n in ("node1", "node2", "node4"):
         slurm.scontrol("update", f"nodename={n}", "state=drain", "reason=maintenance")
     b, runner = backend(slurm)
     with Controller(tmp_path / "c.db", backend=b, config=ControllerConfig(apply=True)) as ctl:
-        ctl.ingest(incident("node3"))
+        ctl.ingest(incident("node3", job=job))
         ctl.reconcile()
-        record = ctl.store.get_record(incident("node3").id)
+        record = ctl.store.get_record(incident("node3", job=job).id)
     assert record.cordon_skipped == (("node3", "last schedulable node of partition debug"),)
     assert slurm.node_states()["node3"][0] == "idle"
     assert runner.changes == Counter()
@@ -176,28 +180,44 @@ def test_triage_compares_selftest_with_reference_node(slurm: SlurmCluster, tmp_p
         'echo "{\\"fingerprint\\": \\"$f\\", \\"node\\": \\"$1\\"}"\n'
     )
     fake.chmod(0o755)
+    job = slurm.ended_job("node2")
     b, _ = backend(slurm, triage="command", selftest_command=(str(fake), "{node}"))
     with Controller(tmp_path / "c.db", backend=b, config=ControllerConfig(apply=True)) as ctl:
-        ctl.ingest(incident("node2", classification="transient"))
+        ctl.ingest(incident("node2", job=job, classification="transient"))
         ctl.reconcile()
-        record = ctl.store.get_record(incident("node2").id)
+        record = ctl.store.get_record(incident("node2", job=job).id)
     assert record.state is State.AWAITING_APPROVAL
     (result,) = record.triage
     assert result.node == "node2" and not result.passed and "bad0 differs from node1's 600d" in result.detail
 
 
 def test_unreachable_scheduler_retried_then_failed(private_slurm: SlurmCluster, tmp_path: Path) -> None:
-    """With slurmctld down the cordon is retried with backoff, then the incident fails with the scontrol error."""
-    private_slurm.stop_controller()
+    """With slurmctld down, a verified incident's cordon is retried with backoff, then the incident
+    fails with the scontrol error; a new incident, whose allocation cannot be read, is retried and
+    then refused (nothing cordoned, never acted on unverified)."""
+    job = private_slurm.ended_job("node1")
     b = SlurmBackend(SlurmConfig(slurm_conf=str(private_slurm.conf), command_timeout_s=20))
     config = ControllerConfig(apply=True, retry_max_attempts=2, retry_base_delay_s=60)
     now = [dt.datetime.now(dt.UTC)]
-    with Controller(tmp_path / "c.db", backend=b, config=config, clock=lambda: now[0]) as ctl:
-        ctl.ingest(incident("node1"))
+    # Dry-run first: the read-only allocation check runs while slurmctld is up, the cordon waits.
+    with Controller(
+        tmp_path / "c.db", backend=b, config=config.with_overrides(apply=False), clock=lambda: now[0]
+    ) as ctl:
+        ctl.ingest(incident("node1", job=job))
         ctl.reconcile()
-        assert ctl.store.get_record(incident("node1").id).state is State.DETECTED
+        assert ctl.store.get_record(incident("node1", job=job).id).allocation == ("node1",)
+    private_slurm.stop_controller()
+    now[0] += dt.timedelta(seconds=config.poll_interval_s + 1)
+    with Controller(tmp_path / "c.db", backend=b, config=config, clock=lambda: now[0]) as ctl:
+        ctl.ingest(incident("node1", job="7"))
+        ctl.reconcile()
+        assert ctl.store.get_record(incident("node1", job=job).id).state is State.DETECTED
+        assert ctl.store.get_record(incident("node1", job="7").id).state is State.DETECTED
         now[0] += dt.timedelta(seconds=61)
         ctl.reconcile()
-        record = ctl.store.get_record(incident("node1").id)
+        record = ctl.store.get_record(incident("node1", job=job).id)
+        refused = ctl.store.get_record(incident("node1", job="7").id)
     assert record.state is State.FAILED
     assert "gave up after 2 attempts" in record.reason and "sinfo" in record.reason
+    assert refused.state is State.REFUSED and refused.cordoned == ()
+    assert "could not be read" in refused.reason and "squeue" in refused.reason

@@ -25,8 +25,10 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 class Run:
     """One controller database driven through kills and restarts."""
 
-    def __init__(self, slurm: SlurmCluster, tmp_path: Path, mode: str, job: str) -> None:
-        self.slurm, self.mode, self.job = slurm, mode, job
+    def __init__(self, slurm: SlurmCluster, tmp_path: Path, mode: str) -> None:
+        # The incident's job: a real one that ran on node3 and exited 87, so the controller's
+        # allocation check (squeue, or sacct once slurmctld forgets it) vouches for node3.
+        self.slurm, self.mode, self.job = slurm, mode, slurm.ended_job("node3")
         self.db, self.log, self.tally = (
             tmp_path / "c.db",
             tmp_path / "commands.log",
@@ -69,13 +71,14 @@ class Run:
 
     def resubmitted(self) -> list[str]:
         out = self.slurm.run("squeue", "--noheader", "--all", "--states=all", "--format=%i|%k").stdout
-        return [line.split("|")[0] for line in out.splitlines() if f"{self.job}-s10-replay" in line]
+        marker = f"replicheck:{self.job}-s10-replay:"  # not job 1's marker in job 11's
+        return [line.split("|")[0] for line in out.splitlines() if marker in line]
 
 
 @pytest.mark.parametrize("point", ["before:replace", "after:replace"])
 def test_default_replace_once_even_if_node_came_back(slurm: SlurmCluster, tmp_path: Path, point: str) -> None:
     """Killed around the scontrol state=fail, restarted after the node came back idle: the node is failed exactly once."""
-    run = Run(slurm, tmp_path, "default", f"d{point[0]}")
+    run = Run(slurm, tmp_path, "default")
     run.drive(point)
     if point.startswith("after"):
         assert slurm.node_states()["node3"] == ("fail", "Action:Replace")
@@ -89,7 +92,7 @@ def test_default_replace_once_even_if_node_came_back(slurm: SlurmCluster, tmp_pa
 @pytest.mark.parametrize("point", ["before:replace", "after:replace"])
 def test_custom_replace_command_runs_once(slurm: SlurmCluster, tmp_path: Path, point: str) -> None:
     """Killed around a custom replace command that leaves the node's state alone: the command runs exactly once."""
-    run = Run(slurm, tmp_path, "custom", f"c{point[0]}")
+    run = Run(slurm, tmp_path, "custom")
     run.drive(point)
     assert run.drive()["state"] == "resumed"
     assert run.replaced_by_script() == 1
@@ -99,7 +102,7 @@ def test_custom_replace_command_runs_once(slurm: SlurmCluster, tmp_path: Path, p
 @pytest.mark.parametrize("point", ["before:resume", "after:resume"])
 def test_resubmit_once(slurm: SlurmCluster, tmp_path: Path, point: str) -> None:
     """Killed around the resubmission: exactly one job carrying the action's marker is in Slurm, from one sbatch."""
-    run = Run(slurm, tmp_path, "resubmit", f"r{point[0]}")
+    run = Run(slurm, tmp_path, "resubmit")
     try:
         run.drive(point)
         assert run.drive()["state"] == "resumed"
@@ -112,7 +115,7 @@ def test_resubmit_once(slurm: SlurmCluster, tmp_path: Path, point: str) -> None:
 @pytest.mark.parametrize("point", ["before:uncordon", "after:uncordon"])
 def test_dismiss_uncordons_once(slurm: SlurmCluster, tmp_path: Path, point: str) -> None:
     """Killed around the uncordon of a dismissed incident: the node is drained once and resumed once."""
-    run = Run(slurm, tmp_path, "dismiss", f"x{point[0]}")
+    run = Run(slurm, tmp_path, "dismiss")
     run.drive(point)
     assert run.drive()["state"] == "uncordoned"
     assert run.commands("state=drain") == 1 and run.commands("state=resume") == 1
@@ -121,7 +124,7 @@ def test_dismiss_uncordons_once(slurm: SlurmCluster, tmp_path: Path, point: str)
 
 def test_repeated_kills_each_side_effect_once(slurm: SlurmCluster, tmp_path: Path) -> None:
     """Killed after the cordon, then before and after the custom replace, then after the resume: every effect once."""
-    run = Run(slurm, tmp_path, "custom", "rk")
+    run = Run(slurm, tmp_path, "custom")
     for point in ("after:cordon", "before:replace", "after:replace", "after:resume"):
         run.drive(point)
     assert run.drive()["state"] == "resumed"
@@ -130,10 +133,10 @@ def test_repeated_kills_each_side_effect_once(slurm: SlurmCluster, tmp_path: Pat
 
 def test_interrupted_custom_replace_is_not_repeated(slurm: SlurmCluster, tmp_path: Path) -> None:
     """A custom replace interrupted between its start and done markers fails the incident instead of running again."""
-    run = Run(slurm, tmp_path, "custom", "ip")
+    run = Run(slurm, tmp_path, "custom")
     run.drive("after:cordon")
     # What a kill inside the call leaves behind: the start marker, the command's effect unknown.
-    marker = "replicheck:ip-s10-replay:replace:node3"
+    marker = f"replicheck:{run.job}-s10-replay:replace:node3"
     slurm.scontrol("update", "nodename=node3", f"extra={marker}/started")
     summary = run.drive()
     assert summary["state"] == "failed" and "not repeating it" in summary["reason"]
@@ -153,10 +156,19 @@ def test_resubmit_in_doubt_past_min_job_age_is_not_repeated(slurm: SlurmCluster,
     script.write_text(f'#!/bin/sh\necho "$@" >> {tally}\necho 1\n')
     script.chmod(0o755)
     b, _ = backend(slurm, resume_mode="resubmit", resubmit_command=(str(script), "--comment={marker}"))
-    old = ResumeRequest("old-s1-replay", "old", None, (), previous_attempt_at="2020-01-01T00:00:00+00:00")
+    job = slurm.ended_job("node1")
+    key = f"{job}-s1-replay:resume:{job}"
+    old = ResumeRequest(
+        f"{job}-s1-replay",
+        job,
+        None,
+        (),
+        previous_attempt_at="2020-01-01T00:00:00+00:00",
+        allocation=("node1",),
+    )
     with pytest.raises(PermanentBackendError, match="MinJobAge=600s"):
-        b.resume(old, "old-s1-replay:resume:old")
+        b.resume(old, key)
     assert not tally.exists()
     recent = dataclasses.replace(old, previous_attempt_at=dt.datetime.now(dt.UTC).isoformat())
-    b.resume(recent, "old-s1-replay:resume:old")  # absence within MinJobAge proves nothing ran: submit
+    b.resume(recent, key)  # absence within MinJobAge proves nothing ran: submit
     assert len(tally.read_text().splitlines()) == 1

@@ -40,8 +40,12 @@ def test_resubmit_template_values_are_checked(
         resume_mode="resubmit",
         resubmit_command=(str(script), "--comment={marker}", "{job_id}", "{checkpoint}", "{step}"),
     )
+    # Verified on every node of the cluster, so the value checks, not the allocation, refuse it.
+    verified = ResumeRequest(
+        "inc-s1-replay", job, checkpoint, (), allocation=("node1", "node2", "node3", "node4")
+    )
     with pytest.raises(PermanentBackendError, match=message):
-        b.resume(ResumeRequest("inc-s1-replay", job, checkpoint, ()), "inc-s1-replay:resume:42")
+        b.resume(verified, "inc-s1-replay:resume:42")
     assert not tally.exists()
 
 
@@ -57,7 +61,8 @@ def test_job_name_cannot_fake_the_requeue_marker(slurm: SlurmCluster) -> None:
         assert time.monotonic() < deadline
         time.sleep(0.2)
     b, runner = backend(slurm)
-    b.resume(ResumeRequest("inc", job, None, ()), key)
-    b.resume(ResumeRequest("inc", job, None, ()), key)
+    verified = ResumeRequest("inc", job, None, (), allocation=tuple(b.allocation(job) or ()))
+    b.resume(verified, key)
+    b.resume(verified, key)
     assert runner.changes[f"requeuehold {job}"] == 1
     slurm.run("scancel", job, check=False)

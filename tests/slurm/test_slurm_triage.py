@@ -69,7 +69,9 @@ def test_healthy_node_passes_through_a_slurm_job_and_ends_drained(
 ) -> None:
     """A transient incident's triage runs the self-test as a Slurm job on the drained node and leaves it drained with its reason."""
     b, runner = backend(slurm, triage_command=SELFTEST)
-    inc = incident("node2", job="t1", classification="transient")
+    job = slurm.ended_job("node2")  # the incident's job ran on node2 (its allocation)
+    inc = incident("node2", job=job, classification="transient")
+    key = f"{job}-s10-replay:selftest:node2"
     with Controller(tmp_path / "c.db", backend=b, config=ControllerConfig(apply=True)) as ctl:
         ctl.ingest(inc)
         ctl.reconcile()
@@ -79,7 +81,7 @@ def test_healthy_node_passes_through_a_slurm_job_and_ends_drained(
     assert result.node == "node2" and result.passed and "exit 0" in result.detail, result.detail
     assert slurm.node_states()["node2"] == ("drained", REASON)
     assert reservations(slurm) == "No reservations in the system"
-    resv = reservation_name("replicheck:" + KEY)
+    resv = reservation_name("replicheck:" + key)
     create = (
         f"create reservation ReservationName={resv} Nodes=node2 StartTime=now Duration=infinite "
         "Users=root Flags=MAINT,IGNORE_JOBS"
@@ -140,7 +142,7 @@ def test_killed_between_resume_and_redrain_converges(
 ) -> None:
     """Killed after the node was resumed into the reservation (before the test, or before the re-drain): no
     ordinary job starts there meanwhile, and the restarted controller finishes with each change made once."""
-    run = Run(slurm, tmp_path, "triage", f"k{needle[0].isalpha():d}")
+    run = Run(slurm, tmp_path, "triage")
     run.drive(f"cmd:{needle}")
     assert run.commands("state=resume") == 1
     assert "No reservations" not in reservations(slurm)

@@ -304,12 +304,16 @@ def _describe(fault: Fault | None) -> dict[str, Any] | None:
 
 
 def controller_actions(incident: dict[str, Any]) -> list[str]:
-    """What the controller would do first about ``incident`` (auto-approval on): its actions."""
+    """What the controller would do first about ``incident`` (auto-approval on) once the job's
+    allocation is verified: its actions. The campaign's job ran where its incident says, so the
+    named nodes stand in for the allocation the backend would report (the read-only check itself
+    is left out: it changes nothing)."""
     from replicheck.controller.machine import initial_record, transition
     from replicheck.controller.model import Tick
     from replicheck.incident import Incident
 
-    record = initial_record(Incident.from_dict(incident))
+    first = initial_record(Incident.from_dict(incident), vouched_by="campaign")
+    record = first.evolve(allocation=first.targets)
     step = transition(record, Tick(now=incident["time"], auto_approve=True))
     return [type(a).__name__ for a in step.actions]
 

@@ -23,6 +23,14 @@ def register(subparsers: Any) -> None:
         "--watch", action="append", default=[], metavar="DIR", help="incident directory to watch (repeatable)"
     )
     run.add_argument(
+        "--checkpoint-root",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="directory a job may be resumed from ({job_id} allowed; repeatable; adds to the config's "
+        "checkpoint_roots). Without one, an incident naming a checkpoint is not resumed",
+    )
+    run.add_argument(
         "--incident",
         action="append",
         default=[],
@@ -74,7 +82,8 @@ def _add_http_options(parser: argparse.ArgumentParser) -> None:
         "--job-token-file",
         default=None,
         metavar="FILE",
-        help="file with the token(s) jobs post incidents with (default: $REPLICHECK_JOB_TOKEN_FILE)",
+        help="file or directory with the token(s) jobs post incidents with, each scoped to its "
+        "job(s) with jobs=PATTERN; re-read when it changes (default: $REPLICHECK_JOB_TOKEN_FILE)",
     )
     parser.add_argument(
         "--operator-token-file",
@@ -155,6 +164,9 @@ def _run(args: argparse.Namespace) -> int:
             raise ConfigError(f"--incident {path}: no such file")
     if args.watch:
         config = config.with_overrides(incident_dirs=tuple(config.incident_dirs) + tuple(args.watch))
+    if args.checkpoint_root:
+        roots = tuple(config.checkpoint_roots) + tuple(args.checkpoint_root)
+        config = config.with_overrides(checkpoint_roots=roots)  # ConfigError for a relative path
     db = db_path(args)
     from replicheck.controller.lease import Lease
 
@@ -302,8 +314,6 @@ def _start_http(
     if not operator_file:
         raise ConfigError("--http needs --operator-token-file FILE (or $REPLICHECK_OPERATOR_TOKEN_FILE)")
     tokens += read_token_file(operator_file, Role.OPERATOR)
-    if job_file:
-        tokens += read_token_file(job_file, Role.JOB)
     chosen = {
         "max_body_bytes": args.max_body_bytes,
         "requests_per_minute": args.requests_per_minute,
@@ -311,7 +321,15 @@ def _start_http(
     }
     options = {k: v for k, v in chosen.items() if v is not None}
     app = create_app(
-        HttpConfig(db_path=db, tokens=tuple(tokens), controller=config, applies=applies, **options),
+        # The job tokens are re-read when their file (or directory) changes: jobs come and go.
+        HttpConfig(
+            db_path=db,
+            tokens=tuple(tokens),
+            job_token_path=job_file or None,
+            controller=config,
+            applies=applies,
+            **options,
+        ),
         on_change=on_change,
         liveness=liveness,
     )

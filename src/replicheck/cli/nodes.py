@@ -1,5 +1,6 @@
-"""``replicheck nodes [list] | nodes add NAME...``: the cluster's nodes as the controller's backend
-sees them, and declaring the nodes of the ``local`` (simulated) backend."""
+"""``replicheck nodes [list] | nodes add NAME... [--job JOB_ID]``: the cluster's nodes as the
+controller's backend sees them, and declaring the nodes (and jobs) of the ``local`` (simulated)
+backend."""
 
 from __future__ import annotations
 
@@ -46,6 +47,13 @@ def register(subparsers: Any) -> None:
     p.add_argument("--partition", default="main", help="partition of the nodes (default: main)")
     p.add_argument("--spare", action="store_true", help="spare nodes, swapped in by a replacement")
     p.add_argument(
+        "--job",
+        metavar="JOB_ID",
+        default=None,
+        help="a job runs on exactly these nodes (its allocation, which every incident of the job is "
+        "checked against; declaring the job again replaces its nodes)",
+    )
+    p.add_argument(
         "--db", metavar="PATH", default=argparse.SUPPRESS, help="controller database (default: as for nodes)"
     )
     p.set_defaults(func=_add)
@@ -60,6 +68,14 @@ def _add(args: argparse.Namespace) -> int:
 
     for name in args.names:  # all or nothing: a bad name adds none
         validate_node_name(name)
+    if args.job is not None:
+        from replicheck.controller.errors import ConfigError
+        from replicheck.incident import JOB_ID
+
+        if JOB_ID.fullmatch(args.job) is None:
+            raise ConfigError(f"--job {args.job[:80]!r}: not a job id (letters, digits, ._+-, one '/')")
+        if args.spare:
+            raise ConfigError("--job names the nodes a job runs on; spares run none")
     db = db_path(args)
     store = Store(db)
     try:
@@ -80,6 +96,9 @@ def _add(args: argparse.Namespace) -> int:
             role = "spare" if args.spare else "active"
             note = "" if name not in known else " (already declared, left as is)"
             print(esc(f"{name}: {role} in partition {args.partition}{note}"))
+        if args.job is not None:
+            local.add_job(args.job, args.names)
+            print(esc(f"job {args.job}: runs on {', '.join(args.names)}"))
     finally:
         local.close()
     return 0

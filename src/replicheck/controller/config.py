@@ -32,6 +32,15 @@ class ControllerConfig:
     radius); further incidents wait, saying so."""
     max_cordons_per_incident: int = 4
     """An incident naming more nodes than this cordons none and fails, for a person to judge."""
+    max_cordons_per_job: int = 4
+    """At most this many cordons within ``replacement_window_s`` for the incidents of one job, so
+    one job (or whoever holds its credential) cannot drain the cluster; its further incidents
+    wait, saying so. Cordons of a dismissed incident no longer count (here or in ``max_cordons``)."""
+    checkpoint_roots: tuple[str, ...] = ()
+    """Directories a job may be resumed from: a recommended checkpoint whose path is not under
+    one of them (``..`` collapsed; ``{job_id}`` is replaced by the incident's job id, e.g.
+    ``"/shared/ckpt/{job_id}"``) is refused and the job is not resumed. Empty: no checkpoint
+    path is trusted, so an incident that names one is not resumed by the controller."""
     retry_max_attempts: int = 5
     """Attempts of one action on temporary backend errors before the incident is failed."""
     retry_base_delay_s: float = 2.0
@@ -61,7 +70,7 @@ class ControllerConfig:
     """Name recorded in the audit log for the controller's own actions."""
 
     def __post_init__(self) -> None:
-        for name in ("max_replacements", "max_cordons", "max_cordons_per_incident"):
+        for name in ("max_replacements", "max_cordons", "max_cordons_per_incident", "max_cordons_per_job"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ConfigError(f"{name} must be an integer >= 0, got {value!r}")
@@ -87,6 +96,11 @@ class ControllerConfig:
             raise ConfigError("drain_reason must be printable text (no newline or control character)")
         if not isinstance(self.incident_dirs, tuple):
             raise ConfigError("incident_dirs must be a tuple of paths")
+        if not isinstance(self.checkpoint_roots, tuple):
+            raise ConfigError("checkpoint_roots must be a tuple of paths")
+        for root in self.checkpoint_roots:
+            if not isinstance(root, str) or not root.startswith("/") or not root.isprintable():
+                raise ConfigError(f"checkpoint_roots must be absolute paths, got {root!r}")
 
     def with_overrides(self, **changes: Any) -> ControllerConfig:
         """A copy with the non-None ``changes`` applied (used for command-line flags)."""

@@ -122,9 +122,12 @@ class Controller:
 
     # --- ingestion --------------------------------------------------------------------------
 
-    def ingest(self, incident: Incident, source: str = "api") -> IngestResult:
+    def ingest(self, incident: Incident, source: str = "api", *, vouched_by: str = "") -> IngestResult:
         """Store an incident (or merge a duplicate); the next reconcile pass acts on it. One
-        that breaks the ingest grammar is rejected (kept with the reason), never acted on."""
+        that breaks the ingest grammar is rejected (kept with the reason), never acted on.
+
+        ``vouched_by`` names the job-scoped credential that delivered it, already checked to
+        speak for ``incident.job_id`` ("" for none: auto-approve will not act on it)."""
         source = _storable(source)
         try:
             validate_incident(incident)
@@ -146,21 +149,28 @@ class Controller:
         with self.store.transaction():
             new, merge = self.store.add_incident(incident, source, now)
             if new:
-                self.store.save_record(initial_record(incident), now)
+                self.store.save_record(initial_record(incident, vouched_by), now)
                 self.store.audit(now, self.config.actor, "ingested", f"from {source}", incident.id)
                 log.info("ingested incident %s (job %s) from %s", incident.id, incident.job_id, source)
             elif merge == "filled":
+                # The checkpoint a job is resumed from comes from the first copy only: a later
+                # copy (from anyone holding a credential for the job) cannot fill it in.
+                checkpoint = dict(incident.recommended_checkpoint or {})
+                self.store.audit(
+                    now,
+                    self.config.actor,
+                    "checkpoint not taken",
+                    f"a later copy from {source} names checkpoint step {checkpoint.get('step')}; "
+                    "only the first copy's checkpoint is used",
+                    incident.id,
+                )
+            if not new and merge != "differs" and vouched_by:
                 record = self.store.get_record(incident.id)
-                resuming = model.action_key(record.incident_id, model.ActionKind.RESUME, record.job_id)
-                if record.resume is None and resuming not in record.outstanding:
-                    checkpoint = dict(incident.recommended_checkpoint or {})
-                    self.store.save_record(record.evolve(checkpoint=checkpoint), now)
+                if not record.vouched_by and record.job_id == incident.job_id:
+                    # The same content, now from a credential scoped to its job.
+                    self.store.save_record(record.evolve(vouched_by=vouched_by), now)
                     self.store.audit(
-                        now,
-                        self.config.actor,
-                        "checkpoint added",
-                        f"a later copy from {source} names checkpoint step {checkpoint.get('step')}",
-                        incident.id,
+                        now, self.config.actor, "vouched", f"{vouched_by} ({source})", incident.id
                     )
             elif merge == "differs":
                 # Same id, other content (e.g. two jobs without a job id): a distinct incident,
@@ -181,7 +191,7 @@ class Controller:
                 source,
                 distinct.id,
             )
-            return self.ingest(distinct, source)
+            return self.ingest(distinct, source, vouched_by=vouched_by)
         return IngestResult(source, incident.id, new=new)
 
     def ingest_file(self, path: str | Path) -> IngestResult:
@@ -243,7 +253,9 @@ class Controller:
                     continue
                 before = record
                 try:
-                    after = self._apply(record.incident_id, self._tick(), self.config.actor, made)
+                    after = self._apply(
+                        record.incident_id, self._tick(record.job_id), self.config.actor, made
+                    )
                 except Exception as exc:
                     if is_world_error(exc):
                         raise
@@ -362,9 +374,10 @@ class Controller:
         c = self.config
         return max(c.retry_max_delay_s, c.return_poll_s, c.poll_interval_s) + 1.0
 
-    def _tick(self) -> model.Tick:
+    def _tick(self, job_id: str | None = None) -> model.Tick:
         now = self._clock()
         since = now - _dt.timedelta(seconds=self.config.replacement_window_s)
+        job_cordons = 0 if job_id is None else self.store.cordons_since(utc_iso_us(since), job_id=job_id)
         return model.Tick(
             now=utc_iso_us(now),
             auto_approve=self.config.auto_approve,
@@ -375,6 +388,8 @@ class Controller:
             cordons_in_window=self.store.cordons_since(utc_iso_us(since)),
             max_cordons=self.config.max_cordons,
             max_cordons_per_incident=self.config.max_cordons_per_incident,
+            job_cordons_in_window=job_cordons,
+            max_cordons_per_job=self.config.max_cordons_per_job,
             return_deadline=utc_iso_us(now + _dt.timedelta(seconds=self.config.return_timeout_s)),
         )
 

@@ -26,7 +26,7 @@ from replicheck.controller.model import (
     ActionFailed,
     ActionKind,
 )
-from replicheck.controller.policy import cordon_refusal, retry_delay
+from replicheck.controller.policy import checkpoint_refusal, cordon_refusal, retry_delay
 from replicheck.controller.store import ActionRow, Store
 from replicheck.timefmt import utc_iso_us
 
@@ -105,15 +105,29 @@ class Executor:
 
     def _call(self, row: ActionRow) -> Mapping[str, Any]:
         b, node, key = self._backend, row.node, row.key
+        if row.kind is ActionKind.VERIFY:
+            nodes = b.allocation(str(row.params["job_id"]))
+            if nodes is None:
+                return {"allocation": None, "detail": f"job {row.params['job_id']} unknown to the backend"}
+            return {
+                "allocation": sorted(nodes),
+                "detail": f"allocation: {', '.join(sorted(nodes)) or 'none'}",
+            }
         if row.kind is ActionKind.RESUME:
             checkpoint = row.params.get("checkpoint")
+            job_id = str(row.params["job_id"])
+            refusal = checkpoint_refusal(checkpoint, job_id, self._config.checkpoint_roots)
+            if refusal is not None:
+                raise PermanentBackendError(f"not resumed: {refusal}; resume job {job_id} by hand")
             in_doubt = row.started_at if row.status == "in_flight" else None
+            allocation = row.params.get("allocation")
             request = ResumeRequest(
                 row.incident_id,
-                str(row.params["job_id"]),
+                job_id,
                 checkpoint,
                 tuple(row.params.get("exclude", ())),
                 previous_attempt_at=in_doubt,
+                allocation=None if allocation is None else tuple(str(n) for n in allocation),
             )
             return b.resume(request, key)
         if node is None:

@@ -25,6 +25,7 @@ from replicheck.controller.model import (
     TriageResult,
     action_key,
 )
+from replicheck.controller.policy import allocation_refusal
 from replicheck.incident import HARDWARE_CLASSIFICATIONS, Classification, Incident
 
 NEEDS_TRIAGE: frozenset[Classification] = frozenset({"ambiguous", "transient"})
@@ -35,10 +36,11 @@ _NO_NODE_NOTE = {
 }
 
 
-def initial_record(incident: Incident) -> Record:
+def initial_record(incident: Incident, vouched_by: str = "") -> Record:
     """The record of a newly ingested incident: the nodes to act on, in first-seen order.
 
     A ``data`` or ``divergence`` incident names no node to act on, whatever else it lists.
+    ``vouched_by`` names the job-scoped credential that delivered it ("" when none did).
     """
     names = list(incident.suspect_nodes)
     names += [s.node.name for s in incident.suspects]
@@ -55,6 +57,7 @@ def initial_record(incident: Incident) -> Record:
         targets=targets,
         checkpoint=checkpoint,
         reason=f"{incident.classification} incident at step {incident.step} ({incident.check})",
+        vouched_by=vouched_by,
     )
 
 
@@ -102,6 +105,12 @@ def _record_outcome(record: Record, event: ActionDone) -> Record:
             r = r.evolve(returned=r.returned + (entry,))
     elif event.kind is ActionKind.RESUME:
         r = r.evolve(resume=dict(outcome))
+    elif event.kind is ActionKind.VERIFY and r.allocation is None and not r.unverified:
+        nodes = outcome.get("allocation")
+        if isinstance(nodes, (list, tuple)):
+            r = r.evolve(allocation=tuple(str(n) for n in nodes))
+        else:
+            r = r.evolve(unverified=str(allocation_refusal(r.job_id, r.targets, None)))
     return r
 
 
@@ -110,6 +119,16 @@ def _on_failure(record: Record, event: ActionFailed) -> Step:
         # A side action (releasing a cleared node) failed: note it, the incident goes on.
         return Step(record.evolve(reason=f"{event.kind.value} {event.node} failed: {event.reason}"))
     others = tuple(k for k in record.outstanding if k != event.key)
+    if event.kind is ActionKind.VERIFY:
+        # Nothing was done yet; an incident whose job cannot be checked is never acted on.
+        refused = record.evolve(
+            state=State.REFUSED,
+            outstanding=(),
+            unverified=event.reason,
+            reason=f"refused: job {record.job_id}'s allocation could not be read ({event.reason}); "
+            "nothing cordoned",
+        )
+        return Step(refused, cancel=others)
     what = f"{event.kind.value} {event.node or record.job_id}"
     failed = record.evolve(
         state=State.FAILED,
@@ -161,6 +180,16 @@ def _on_tick(record: Record, tick: Tick) -> Step:
     if record.outstanding:
         return Step(record)
     state = record.state
+    if state is State.DETECTED:
+        if record.unverified:
+            return _move(record, State.REFUSED, f"refused: {record.unverified}; nothing cordoned")
+        if record.allocation is None:
+            # The job's nodes as the backend reports them, before anything is done on its word.
+            verify = _action(record, ActionKind.VERIFY, None, job_id=record.job_id)
+            return _wait(record, (verify,), f"verifying job {record.job_id}'s allocation")
+        refusal = allocation_refusal(record.job_id, record.targets, record.allocation)
+        if refusal is not None:
+            return _move(record, State.REFUSED, f"refused: {refusal}; nothing cordoned")
     if state is State.DETECTED and record.classification not in HARDWARE_CLASSIFICATIONS:
         # Not a hardware fault: nothing is cordoned or replaced; a person decides what follows.
         return _move(
@@ -188,6 +217,13 @@ def _on_tick(record: Record, tick: Tick) -> Step:
                     f"would exceed the limit of {tick.max_cordons}; waiting"
                 )
                 return Step(record if record.reason == reason else record.evolve(reason=reason))
+            if tick.job_cordons_in_window + len(todo) > tick.max_cordons_per_job:
+                reason = (
+                    f"blast radius: job {record.job_id} has {tick.job_cordons_in_window} cordon(s) in the "
+                    f"window, {len(todo)} more would exceed the per-job limit of "
+                    f"{tick.max_cordons_per_job}; waiting"
+                )
+                return Step(record if record.reason == reason else record.evolve(reason=reason))
             return _wait(
                 record,
                 tuple(_action(record, ActionKind.CORDON, n) for n in todo),
@@ -213,6 +249,10 @@ def _on_tick(record: Record, tick: Tick) -> Step:
     if state is State.AWAITING_APPROVAL:
         # auto_approve is for replacing hardware; a data or divergence incident waits for a person.
         if tick.auto_approve and record.classification in HARDWARE_CLASSIFICATIONS:
+            unverified = _not_verified(record)
+            if unverified:
+                reason = f"auto-approve does not act: {unverified}; waiting for a person"
+                return Step(record if record.reason == reason else record.evolve(reason=reason))
             return _move(
                 record.evolve(approved_by="auto-approve", approved_at=tick.now),
                 State.APPROVED,
@@ -240,6 +280,7 @@ def _on_tick(record: Record, tick: Tick) -> Step:
                 job_id=record.job_id,
                 checkpoint=record.checkpoint,
                 exclude=exclude,
+                allocation=None if record.allocation is None else list(record.allocation),
             )
             return _wait(record, (action,), f"resuming job {record.job_id}")
         return _move(record, State.RESUMED, f"job {record.job_id} resumed: {_resume_summary(record)}")
@@ -249,6 +290,18 @@ def _on_tick(record: Record, tick: Tick) -> Step:
             return _wait(record, actions, f"uncordoning {', '.join(record.cordoned)}")
         return _move(record, State.UNCORDONED, "dismissed; no node left cordoned by this incident")
     return Step(record)
+
+
+def _not_verified(record: Record) -> str:
+    """Why auto-approve may not act on ``record`` ("" when its job and nodes were verified)."""
+    if record.allocation is None:
+        return f"the nodes were never checked against job {record.job_id}'s allocation"
+    if not record.vouched_by:
+        return (
+            f"no job-scoped credential vouched for job {record.job_id} (delivered by a watched "
+            "directory, an unscoped job token or the API)"
+        )
+    return ""
 
 
 def _wait(record: Record, actions: tuple[Action, ...], reason: str) -> Step:

@@ -25,9 +25,11 @@ class State(str, enum.Enum):
     DISMISSED = "dismissed"
     UNCORDONED = "uncordoned"
     FAILED = "failed"
+    REFUSED = "refused"
+    """The incident's job or nodes could not be verified against the backend: nothing was done."""
 
 
-TERMINAL = frozenset({State.RESUMED, State.UNCORDONED})
+TERMINAL = frozenset({State.RESUMED, State.UNCORDONED, State.REFUSED})
 """States in which nothing more happens. ``failed`` waits for a human (dismiss)."""
 
 DISMISSABLE = frozenset(
@@ -52,6 +54,8 @@ class ActionKind(str, enum.Enum):
     REPLACE = "replace"
     AWAIT_RETURN = "await_return"
     RESUME = "resume"
+    VERIFY = "verify"
+    """Ask the backend for the job's allocation (read-only, so it runs in dry-run too)."""
 
 
 DESTRUCTIVE = frozenset({ActionKind.CORDON, ActionKind.UNCORDON, ActionKind.REPLACE, ActionKind.RESUME})
@@ -118,6 +122,13 @@ class Record:
     resume: Mapping[str, Any] | None = None
     reason: str = ""
     """Why the record is in its current state (or why it is waiting)."""
+    vouched_by: str = ""
+    """The job-scoped credential that delivered the incident and speaks for its job ("" when
+    none did: a watched directory, an unscoped token, the Python API). Auto-approve needs one."""
+    allocation: tuple[str, ...] | None = None
+    """The job's nodes as the backend reported them (None: not asked yet)."""
+    unverified: str = ""
+    """Why the job's allocation could not be read (the incident is refused)."""
 
     def to_json(self) -> str:
         data = asdict(self)
@@ -130,6 +141,8 @@ class Record:
         d["state"] = State(d["state"])
         for key in ("targets", "outstanding", "cordoned", "replaced"):
             d[key] = tuple(d[key])
+        if d.get("allocation") is not None:
+            d["allocation"] = tuple(d["allocation"])
         d["cordon_skipped"] = tuple(tuple(x) for x in d["cordon_skipped"])
         d["returned"] = tuple(tuple(x) for x in d["returned"])
         d["triage"] = tuple(TriageResult(**t) for t in d["triage"])
@@ -197,6 +210,10 @@ class Tick:
     """At most this many cordons within the window, over all incidents (blast radius)."""
     max_cordons_per_incident: int = 2**31
     """An incident naming more nodes than this is not acted on (it fails, for a person)."""
+    job_cordons_in_window: int = 0
+    """Cordons within the window by the incidents of this record's job."""
+    max_cordons_per_job: int = 2**31
+    """At most this many cordons within the window for one job (blast radius per job)."""
     return_deadline: str = ""
     """ISO time until which a replaced node is awaited (now + return timeout)."""
 

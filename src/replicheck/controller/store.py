@@ -235,7 +235,7 @@ class Store:
         """Store ``incident`` or merge it into the stored one with the same id.
 
         Returns (new, merge): merge is "same" for an identical copy, "filled" when the copy only
-        adds a recommended_checkpoint the first lacked (the stored copy is updated), and
+        adds a recommended_checkpoint the first lacked (counted; the stored first copy is kept), and
         "differs" otherwise (nothing is stored or counted: the caller stores it as a distinct
         incident under a derived id).
         """
@@ -261,7 +261,7 @@ class Store:
                 "UPDATE incidents SET deliveries=deliveries+1, last_seen=? WHERE id=?", (now, incident.id)
             )
             if filled:
-                self._db.execute("UPDATE incidents SET body=? WHERE id=?", (body, incident.id))
+                # Counted as a delivery; the first copy is kept: a later one never adds a checkpoint.
                 return False, "filled"
             return False, "same"
 
@@ -423,13 +423,19 @@ class Store:
         ).fetchone()
         return int(row[0])
 
-    def cordons_since(self, since: str) -> int:
-        """Cordons done since ``since`` plus those committed to but not finished."""
-        row = self._db.execute(
-            "SELECT COUNT(*) FROM actions WHERE kind='cordon' AND (status IN ('pending', 'in_flight') "
-            "OR (status='done' AND finished_at >= ? AND result NOT LIKE '%\"skipped\"%'))",
-            (since,),
-        ).fetchone()
+    def cordons_since(self, since: str, job_id: str | None = None) -> int:
+        """Cordons done since ``since`` plus those committed to but not finished (of ``job_id``'s
+        incidents only, when given). A dismissed incident's cordons are undone: they stop counting."""
+        where = (
+            "kind='cordon' AND (status IN ('pending', 'in_flight') "
+            "OR (status='done' AND finished_at >= ? AND result NOT LIKE '%\"skipped\"%')) "
+            "AND incident_id NOT IN (SELECT incident_id FROM records WHERE state IN ('dismissed', 'uncordoned'))"
+        )
+        args: tuple[str, ...] = (since,)
+        if job_id is not None:
+            where += " AND incident_id IN (SELECT id FROM incidents WHERE job_id=?)"
+            args += (job_id,)
+        row = self._db.execute(f"SELECT COUNT(*) FROM actions WHERE {where}", args).fetchone()
         return int(row[0])
 
     def clamp_future(self, now: str, latest: str) -> None:

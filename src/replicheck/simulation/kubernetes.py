@@ -395,15 +395,24 @@ class FakeApiServer:
             out.append(copy.deepcopy(pod))
         return out
 
-    def add_pod(self, namespace: str, name: str, node_name: str) -> None:
-        """A running pod (e.g. a training rank) on ``node_name``."""
+    def add_pod(
+        self,
+        namespace: str,
+        name: str,
+        node_name: str,
+        *,
+        labels: dict[str, str] | None = None,
+        phase: str = "Running",
+    ) -> None:
+        """A pod (e.g. a training rank) on ``node_name``; ``labels={"job-name": J}`` makes it a
+        pod of Job J, ``phase="Failed"`` a finished one."""
         with self._lock:
             self.cluster.pods[(namespace, name)] = {
                 "apiVersion": "v1",
                 "kind": "Pod",
-                "metadata": {"name": name, "namespace": namespace, "labels": {}},
+                "metadata": {"name": name, "namespace": namespace, "labels": dict(labels or {})},
                 "spec": {"nodeName": node_name},
-                "status": {"phase": "Running"},
+                "status": {"phase": phase},
             }
 
     def add_job(self, namespace: str, job: dict[str, Any]) -> None:

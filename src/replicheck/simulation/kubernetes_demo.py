@@ -3,7 +3,8 @@
 
     python -m replicheck.simulation.kubernetes_demo [--db PATH] [--bodies]
 
-An ambiguous incident names two nodes (ranks on n2 and n3 disagree): both are cordoned, the
+An ambiguous incident names two nodes (ranks on n2 and n3 disagree): the controller checks
+them against the nodes of the Job's pods (``job-name=llm``, on n1-n4), both are cordoned, the
 pinned self-test finds n2 bad and n3 good (n3 is uncordoned), a person approves, n2 gets
 HyperPod's ``UnschedulablePendingReplacement`` label, HyperPod (played by the script) swaps
 it for n5, and the training Job is re-created from the recommended checkpoint.
@@ -79,11 +80,16 @@ def play(db: Path, *, show_bodies: bool = False, out: Any = None) -> dict[str, A
         for name in ("n1", "n2", "n3", "n4"):
             server.add_node(make_node(name, group="workers"))
         server.add_job("ml", TRAINING_JOB)
+        for rank, name in enumerate(("n1", "n2", "n3", "n4")):
+            # The Job's pods: the allocation the controller checks the incident's nodes against.
+            server.add_pod("ml", f"llm-{rank}", name, labels={"job-name": "llm"})
         backend = KubernetesBackend(
             KubernetesConfig(host=server.url, resume_mode="recreate", triage_image="replicheck:demo"),
             clock=clock,
         )
-        config = ControllerConfig(apply=True, return_poll_s=0, poll_interval_s=0)
+        config = ControllerConfig(
+            apply=True, return_poll_s=0, poll_interval_s=0, checkpoint_roots=("/fsx/ckpt",)
+        )
         shown = 0
 
         def flush() -> None:

@@ -49,6 +49,10 @@ class ResumeRequest:
     """When an earlier attempt of this resume started whose outcome was never recorded (the
     controller stopped during the call), ISO time; None when no attempt is in doubt. A backend
     that cannot observe an old side effect uses it to decide whether repeating is safe."""
+    allocation: tuple[str, ...] | None = None
+    """The job's nodes as the backend reported them when the incident was verified (None: the
+    incident was never verified, e.g. one stored by an older controller). A backend that can
+    tell a job id reused by another job from the incident's job compares against it."""
 
 
 class Backend(Protocol):
@@ -74,3 +78,8 @@ class Backend(Protocol):
         """For each partition containing ``node``: its currently schedulable nodes."""
 
     def list_nodes(self) -> list[NodeInfo]: ...
+
+    def allocation(self, job_id: str) -> frozenset[str] | None:
+        """The nodes of job ``job_id`` as the cluster itself reports them (running, or finished
+        while the cluster still remembers it), under every name an incident may use for them;
+        None when the cluster knows no such job. Read-only."""

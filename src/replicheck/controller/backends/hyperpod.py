@@ -155,6 +155,13 @@ class HyperPodBackend:
             return self._orchestrator.list_nodes()
         return sorted((_info(s) for s in self.cluster_nodes()), key=lambda i: i.name)
 
+    def allocation(self, job_id: str) -> frozenset[str] | None:
+        """The job's nodes as the orchestrator (Slurm or Kubernetes) reports them; HyperPod itself
+        knows no jobs, so with ``orchestrator = "none"`` no job can be verified (None)."""
+        if self._orchestrator is not None:
+            return self._orchestrator.allocation(job_id)
+        return None
+
     def schedulable_by_partition(self, node: str) -> Mapping[str, Sequence[str]]:
         if self._orchestrator is not None:
             return self._orchestrator.schedulable_by_partition(node)

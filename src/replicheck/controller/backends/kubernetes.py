@@ -104,6 +104,28 @@ class KubernetesBackend:
     def list_nodes(self) -> list[NodeInfo]:
         return sorted((self._info(n) for n in self.api.list_nodes()), key=lambda i: i.name)
 
+    def allocation(self, job_id: str) -> frozenset[str] | None:
+        """The nodes the Job's pods were placed on (finished pods included, while they exist),
+        under their node names and host-name aliases, plus the pods' own names (a rank's host
+        name is its pod name). ``job_id`` is ``namespace/name`` (or a name in ``job_namespace``).
+        None when no pod of that Job exists."""
+        ns, _, name = job_id.rpartition("/")
+        pods = self.api.job_pods(ns or self.config.job_namespace, name)
+        if not pods:
+            return None
+        names: set[str] = set()
+        for pod in pods:
+            names.add(_name(pod))
+            on = (pod.get("spec") or {}).get("nodeName")
+            if not on:
+                continue  # not scheduled yet: no node of the cluster is its
+            names.add(str(on))
+            try:
+                names |= _aliases(self.api.read_node(str(on)))
+            except KubeNotFound:
+                pass  # the node is gone (replaced); its name is still the pod's record
+        return frozenset(names)
+
     def schedulable_by_partition(self, node: str) -> Mapping[str, Sequence[str]]:
         obj = self.node(node)
         mine, resolved = self._group(obj), _name(obj)

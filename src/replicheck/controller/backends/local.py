@@ -32,6 +32,8 @@ CREATE TABLE IF NOT EXISTS sim_ops (
 CREATE TABLE IF NOT EXISTS sim_resumes (
     key TEXT PRIMARY KEY, incident_id TEXT NOT NULL, job_id TEXT NOT NULL, checkpoint TEXT,
     exclude TEXT NOT NULL, nodes TEXT NOT NULL, at TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS sim_jobs (
+    job_id TEXT PRIMARY KEY, nodes TEXT NOT NULL, state TEXT NOT NULL DEFAULT 'running');
 """
 
 
@@ -72,6 +74,18 @@ class LocalBackend:
             "VALUES(?, ?, ?, 'idle', ?)",
             (name, partition, "spare" if spare else "active", int(healthy)),
         )
+
+    def add_job(self, job_id: str, nodes: Sequence[str]) -> None:
+        """Register a running job on ``nodes`` (its allocation); registering again replaces it."""
+        names = [validate_node_name(n) for n in nodes]
+        self._db.execute(
+            "INSERT OR REPLACE INTO sim_jobs(job_id, nodes, state) VALUES(?, ?, 'running')",
+            (job_id, json.dumps(names)),
+        )
+
+    def end_job(self, job_id: str) -> None:
+        """The job ended; its allocation is still reported, as Slurm's accounting would."""
+        self._db.execute("UPDATE sim_jobs SET state='ended' WHERE job_id=?", (job_id,))
 
     def set_healthy(self, name: str, healthy: bool) -> None:
         """Make the simulated self-test on ``name`` pass or fail."""
@@ -206,6 +220,10 @@ class LocalBackend:
             self._db.execute("ROLLBACK")
             raise
         return result
+
+    def allocation(self, job_id: str) -> frozenset[str] | None:
+        row = self._db.execute("SELECT nodes FROM sim_jobs WHERE job_id=?", (job_id,)).fetchone()
+        return None if row is None else frozenset(json.loads(row[0]))
 
     def schedulable_by_partition(self, node: str) -> Mapping[str, Sequence[str]]:
         partition = self._node(node)["partition"]

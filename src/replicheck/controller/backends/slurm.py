@@ -18,7 +18,7 @@ from replicheck.controller.backends.base import (
     ResumeRequest,
     validate_node_name,
 )
-from replicheck.controller.backends.commands import CommandRunner
+from replicheck.controller.backends.commands import CommandRunner, classify
 from replicheck.controller.backends.slurm_triage import SlurmTriage, SlurmTriageConfig
 from replicheck.controller.errors import ConfigError, NotYet, PermanentBackendError
 from replicheck.incident import CHECKPOINT_PATH, INCIDENT_ID, JOB_ID
@@ -158,6 +158,63 @@ class SlurmBackend:
             if info.name == node:
                 return info
         raise PermanentBackendError(f"Slurm knows no node {node!r}")
+
+    def allocation(self, job_id: str) -> frozenset[str] | None:
+        """The job's nodes: from slurmctld while it lists the job (running, pending: none, or
+        ended less than ``MinJobAge`` ago), else from the accounting database (``sacct``), so a
+        job that just ended still answers. None when neither knows the job."""
+        if _SLURM_JOB_ID.fullmatch(job_id) is None:
+            return None  # not a Slurm job id: Slurm cannot vouch for it
+        live = self._run.run(
+            [
+                self._bin("squeue"),
+                "--noheader",
+                f"--jobs={job_id}",
+                "--states=all",
+                "--format",
+                _SEP.join(("%i", "%T", "%N")),
+            ],
+            check=False,
+        )
+        listed: frozenset[str] | None = None
+        if live.returncode == 0:
+            for line in live.stdout.splitlines():
+                parts = line.split(_SEP)
+                if len(parts) == 3 and parts[0].strip() == job_id:
+                    listed = self._hostnames(parts[2].strip())
+                    if listed or parts[1].strip() == "PENDING":
+                        return listed
+        elif "invalid job id" not in (live.stderr + live.stdout).lower():
+            raise classify(live)
+        # Ended (a completing job's list shrinks as nodes are released) or forgotten: accounting.
+        acct = self._run.run(
+            [
+                self._bin("sacct"),
+                "--noheader",
+                "--parsable2",
+                "--allocations",
+                f"--jobs={job_id}",
+                "--format=JobID,NodeList",
+            ],
+            check=False,
+        )
+        if acct.returncode != 0:
+            text = (acct.stderr + acct.stdout).lower()
+            if "accounting storage is disabled" in text or "invalid" in text:
+                return listed  # no accounting: a job slurmctld forgot cannot be verified
+            raise classify(acct)
+        for line in acct.stdout.splitlines():
+            jid, sep, nodes = line.partition("|")
+            if sep and jid.strip() == job_id:
+                return self._hostnames(nodes.strip())
+        return listed
+
+    def _hostnames(self, hostlist: str) -> frozenset[str]:
+        """A Slurm host list (``node[1-3,7]``) as node names; none for a job not yet placed."""
+        if not hostlist or hostlist in ("(null)", "None assigned", "None"):
+            return frozenset()
+        out = self._run.run([self._bin("scontrol"), "show", "hostnames", hostlist]).stdout
+        return frozenset(n.strip() for n in out.splitlines() if n.strip())
 
     def schedulable_by_partition(self, node: str) -> Mapping[str, Sequence[str]]:
         nodes = self.list_nodes()
@@ -317,9 +374,24 @@ class SlurmBackend:
             validate_node_name(node)
         if self.config.resume_mode == "none":
             return {"detail": "resume_mode=none: the job is not restarted by the controller"}
+        self._check_same_job(request)
         if self.config.resume_mode == "resubmit":
             return self._resubmit(request, key)
         return self._requeue(request, key)
+
+    def _check_same_job(self, request: ResumeRequest) -> None:
+        """Requeue or resubmit only the job the incident was verified against: never a job id
+        no allocation check vouched for, nor one now placed only on other nodes (a reused id)."""
+        if request.allocation is None:
+            raise PermanentBackendError(
+                f"job {request.job_id} was never verified against Slurm's allocation; not restarting it"
+            )
+        now = self.allocation(request.job_id) if _SLURM_JOB_ID.fullmatch(request.job_id) else None
+        if now and request.allocation and not now & set(request.allocation):
+            raise PermanentBackendError(
+                f"job {request.job_id} now runs on {', '.join(sorted(now))}, none of the nodes it was "
+                f"verified on ({', '.join(request.allocation)}): not the incident's job; not restarting it"
+            )
 
     def _job(self, job_id: str) -> dict[str, str]:
         # Fixed columns with the free-text comment last: a job name cannot inject a field.

@@ -24,7 +24,15 @@ from replicheck.controller.errors import (
     QuarantinedError,
     UnknownIncidentError,
 )
-from replicheck.controller.http.auth import Authenticator, AuthError, Principal, RefusalBudget, Role, Token
+from replicheck.controller.http.auth import (
+    Authenticator,
+    AuthError,
+    Principal,
+    RefusalBudget,
+    Role,
+    Token,
+    TokenSource,
+)
 from replicheck.controller.http.limits import BodyTimeout, Guard, RateLimiter, error_body
 from replicheck.controller.http.schema import incident_schema
 from replicheck.controller.http.views import detail_json, summary_json
@@ -64,6 +72,8 @@ class HttpConfig:
     """The controller database the API reads and writes."""
     tokens: tuple[Token, ...] = field(repr=False)
     """Accepted job and operator tokens (from the token files)."""
+    job_token_path: str | None = None
+    """A job token file or directory re-read when it changes (jobs' tokens come and go)."""
     controller: ControllerConfig = field(default_factory=ControllerConfig)
     """The controller's policy: its actor name, and the limits the page explains."""
     applies: bool | None = None
@@ -132,7 +142,8 @@ def create_app(
     """The ASGI application (the FastAPI app is its ``.app``). ``on_change`` is called after an
     incident is stored or decided (the serving controller uses it to reconcile at once);
     ``liveness`` says whether the acting loop of this process ran recently (``/healthz``)."""
-    auth = Authenticator(config.tokens)
+    sources = () if config.job_token_path is None else (TokenSource(config.job_token_path, Role.JOB),)
+    auth = Authenticator(config.tokens, sources)
     budget = RefusalBudget(config.refusal_audits_per_minute)
     limiter = RateLimiter(config.requests_per_minute)
     metrics = None
@@ -315,6 +326,13 @@ def create_app(
         except (IncidentFormatError, RecursionError) as exc:
             bad_body("schema")
             raise ApiError(422, "invalid_incident", str(exc)) from None
+        if not who.speaks_for(incident.job_id):
+            err = AuthError(
+                403,
+                f"this job token speaks for jobs {','.join(who.jobs or ())}, not for job {incident.job_id}",
+            )
+            refuse(request, err)
+            raise ApiError(403, "forbidden", err.message)
         client = request.client.host if request.client else "unknown"
         owner = f"http:{who.name or 'job'}@"
         source = f"{owner}{client}"
@@ -325,7 +343,7 @@ def create_app(
                     ctl, owner, incident.id, config.incidents_per_day
                 ):
                     return None
-                return ctl.ingest(incident, source)
+                return ctl.ingest(incident, source, vouched_by=who.vouches())
 
         result = await run_in_threadpool(store)
         if result is None:

@@ -81,5 +81,9 @@ def consequences(view: IncidentView, config: ControllerConfig, applies: bool | N
         State.DISMISSED: f"Dismissed by {r.dismissed_by} at {r.dismissed_at}; {r.reason}.",
         State.UNCORDONED: f"Dismissed by {r.dismissed_by}; closed: {r.reason}.",
         State.RESUMED: f"Closed: {r.reason}.",
+        State.REFUSED: (
+            f"Refused: nothing was done and nothing will be ({r.reason}). If job {r.job_id} really "
+            "runs on these nodes, check how the cluster reports its allocation, then act by hand."
+        ),
     }.get(r.state, f"No decision yet: {r.state.value} ({r.reason}).")
     return {"approve": approve, "dismiss": dismiss, "status": status}

@@ -7,6 +7,7 @@ const REFRESH_MS = 5000;
 const GROUPS = [
   ["Needs a decision", ["awaiting_approval"]],
   ["Failed: a person must look", ["failed"]],
+  ["Refused: not the job's own nodes, or the job could not be checked; nothing was done", ["refused"]],
   ["In progress", ["detected", "cordoned", "triaging", "approved", "replacing", "replaced", "dismissed"]],
   ["Closed", ["resumed", "uncordoned"]],
 ];
