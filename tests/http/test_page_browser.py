@@ -145,9 +145,9 @@ def test_detail_view_reset_for_odd_evidence(live: Live, page: Any) -> None:
     """Opening an incident whose evidence has `null` pairs after a normal one never leaves the
     first incident's tables (or its Approve button) under the second heading; evidence that looks
     like markup is shown as text. On the old code the drawing stopped half way at the null pair."""
-    first = make_incident(job="train-1")
+    first = make_incident(job="job1")
     odd = dataclasses.replace(
-        make_incident(job="train-2"),
+        make_incident(job="job2"),
         evidence={"replay": {"pairs": [None, {"source": "<img src=x onerror=alert(1)>", "agree": False}]}},
     )
     for inc in (first, odd):
