@@ -18,6 +18,8 @@ from typing import Any
 
 from ctlkit import make_incident
 
+from replicheck.incident import INCIDENT_ID_MAX
+
 HOSTILE_STRINGS = (
     "n1:cordon",
     "-h",
@@ -92,6 +94,8 @@ def _set(path: tuple[Any, ...], value: Any) -> Callable[[dict[str, Any]], None]:
 def _breaking(rng: random.Random, data: dict[str, Any]) -> tuple[str, Callable[[dict[str, Any]], None]]:
     bad = rng.choice(HOSTILE_STRINGS)
     bad_id = bad if ":" not in bad else bad.replace(":", " ")  # ':' (and one '/') are legal in an incident id
+    if bad_id.isalnum() and bad_id.isascii():
+        bad_id = bad_id * (INCIDENT_ID_MAX // len(bad_id) + 1)  # legal characters: too long is what is bad
     has_suspects = bool(data["suspects"])
     people = "suspects" if has_suspects else "candidates"
     options: list[tuple[str, Callable[[dict[str, Any]], None]]] = [
