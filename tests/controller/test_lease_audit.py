@@ -16,6 +16,7 @@ from test_cli import cli
 
 from replicheck.controller import Controller, ControllerConfig, State
 from replicheck.controller.errors import LeaseHeldError
+from replicheck.controller.lease import Lease
 from replicheck.controller.store import MIGRATIONS, Store
 
 DRIVER = Path(__file__).with_name("lease_driver.py")
@@ -37,6 +38,58 @@ def test_second_controller_refuses_to_act(tmp_path: Path) -> None:
     third = Controller(db, config=ControllerConfig(apply=True))  # released on close: the next one acts
     third.reconcile()
     third.close()
+
+
+def _snapshot(db: Path) -> dict[str, tuple[int, int, bytes]]:
+    """(size, mtime, bytes) of the database file and its WAL/shared-memory companions."""
+    files = [db, Path(f"{db}-wal"), Path(f"{db}-shm")]
+    return {p.name: (p.stat().st_size, p.stat().st_mtime_ns, p.read_bytes()) for p in files if p.exists()}
+
+
+def test_second_controller_on_python_api_writes_nothing(tmp_path: Path) -> None:
+    """A second Controller built on a leased database (an older schema, so it would migrate) is refused with LeaseHeldError before it writes anything: the file's bytes and mtime, schema version and audit are unchanged."""
+    db = tmp_path / "c.db"
+    con = sqlite3.connect(db, isolation_level=None)
+    con.executescript(str(MIGRATIONS[0]) + "PRAGMA user_version=1;")
+    con.close()
+    holder = Lease(db)
+    holder.acquire()
+    before = _snapshot(db)
+    second = Controller(db, config=ControllerConfig(apply=True))
+    with pytest.raises(LeaseHeldError):
+        second.reconcile()
+    with pytest.raises(LeaseHeldError):
+        second.run(max_passes=1)
+    second.close()
+    assert _snapshot(db) == before
+    con = sqlite3.connect(db, isolation_level=None)
+    assert con.execute("PRAGMA user_version").fetchone()[0] == 1
+    assert con.execute("SELECT COUNT(*) FROM audit").fetchone()[0] == 0
+    con.close()
+    holder.release()
+
+
+def test_operator_commands_need_no_lease(tmp_path: Path) -> None:
+    """While another controller holds the lease, the Python API still ingests, approves, dismisses and shows (operator commands take no lease)."""
+    db = tmp_path / "c.db"
+    cluster(db).close()
+    with Controller(db, config=ControllerConfig(apply=True, checkpoint_roots=("/ck",))) as acting:
+        acting.reconcile()
+        with Controller(db) as operator:
+            inc = make_incident()
+            assert operator.ingest(inc).new
+        acting.reconcile()
+        with Controller(db) as operator:
+            assert operator.show(inc.id).record.state is State.AWAITING_APPROVAL
+            operator.approve(inc.id, by="alice")
+            assert operator.show(inc.id).record.approved_by == "alice"
+        other = make_incident(step=9, nodes=("n3",))
+        with Controller(db) as operator:
+            operator.ingest(other)
+        acting.reconcile()
+        with Controller(db) as operator:
+            operator.dismiss(other.id, by="alice")
+            assert operator.show(other.id).record.dismissed_by == "alice"
 
 
 @pytest.mark.timeout(300)

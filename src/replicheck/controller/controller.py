@@ -88,7 +88,10 @@ class Controller:
         self.config = config or ControllerConfig()
         # A lease taken by the caller before anything is written (``controller run``) is used as is.
         self.lease = lease or Lease(self.db_path)
-        self.store = Store(self.db_path, busy_timeout_s=self.config.db_busy_timeout_s)
+        # Opened (and migrated: a write) on first use, not here: a controller that acts takes
+        # the lease first (reconcile), so a second one is refused before it writes anything,
+        # while operator commands (ingest, approve, dismiss, show) open it without the lease.
+        self._store: Store | None = None
         self._backend = backend
         self._on_transition = on_transition
         self._clock = clock or (lambda: _dt.datetime.now(_dt.UTC))
@@ -110,9 +113,18 @@ class Controller:
             self._backend = LocalBackend(self.db_path)
         return self._backend
 
+    @property
+    def store(self) -> Store:
+        """The database, opened (and migrated) on first use."""
+        if self._store is None:
+            self._store = Store(self.db_path, busy_timeout_s=self.config.db_busy_timeout_s)
+        return self._store
+
     def close(self) -> None:
         self.lease.release()
-        self.store.close()
+        if self._store is not None:
+            self._store.close()
+            self._store = None
 
     def __enter__(self) -> Controller:
         return self
@@ -240,7 +252,8 @@ class Controller:
         without waiting, perform due actions. Returns the state changes made.
 
         Takes the database's lease first (held until :meth:`close`): while another controller
-        holds it this raises LeaseHeldError and does nothing."""
+        holds it this raises LeaseHeldError having written nothing (a controller used only for
+        reconciling opens its database after the lease is taken)."""
         self.lease.acquire()
         self._clamp_future()
         for directory in self.config.incident_dirs:
