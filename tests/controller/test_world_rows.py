@@ -12,12 +12,13 @@ import sqlite3
 from pathlib import Path
 
 import pytest
-from ctlkit import Clock, cluster, make_incident
+from ctlkit import Clock, Counting, cluster, make_incident
 from test_cli import cli
 
 import replicheck.incident as incident_module
 from replicheck.controller import Controller, ControllerConfig, State
 from replicheck.controller.controller import derived_id
+from replicheck.controller.errors import NotYet
 from replicheck.incident import INCIDENT_ID, write_incident
 
 
@@ -102,6 +103,41 @@ def test_replacement_stamped_in_the_future_blocks_one_window(tmp_path: Path) -> 
         ctl.reconcile()
         since = (clock.now - dt.timedelta(seconds=window)).isoformat()
         assert ctl.store.replacements_since(since) == 0
+
+
+def test_replacement_and_decisions_stamped_ahead_do_not_wait_a_month(tmp_path: Path) -> None:
+    """A replacement made and an approval recorded while the clock ran 30 days ahead: once the
+    clock is right, the replaced node is awaited for return_timeout_s from then (not until the
+    wrong date plus the timeout) and the job resumes; the stored approval and dismissal times
+    are brought back to now (on the old code the incident waited a month)."""
+    db = tmp_path / "c.db"
+    backend = Counting(cluster(db))
+    backend.fail("await_return", *(NotYet("not back yet") for _ in range(100)))
+    clock = Clock()
+    right = clock.now
+    config = ControllerConfig(
+        apply=True, auto_approve=True, checkpoint_roots=("/ck",), return_poll_s=5, return_timeout_s=60
+    )
+    with Controller(db, backend=backend, config=config, clock=clock) as ctl:
+        inc, other = make_incident(), make_incident(step=41, nodes=("n3",), check="sketch")
+        ctl.ingest(inc, vouched_by="job token job1 (jobs=job1)")
+        ctl.ingest(other)
+        clock.now = right + dt.timedelta(days=30)
+        ctl.reconcile()
+        assert ctl.store.get_record(inc.id).state is State.REPLACING
+        ctl.dismiss(other.id, by="alice")
+        clock.now = right  # the clock is right again
+        ctl.reconcile()
+        for record in (ctl.store.get_record(inc.id), ctl.store.get_record(other.id)):
+            for stamp in (record.approved_at, record.dismissed_at):
+                assert stamp is None or stamp <= right.isoformat(timespec="microseconds"), record
+        clock.advance(61)
+        for _ in range(3):
+            ctl.reconcile()
+            clock.advance(5)
+        record = ctl.store.get_record(inc.id)
+        assert record.state is State.RESUMED, record.reason
+        assert record.returned == (("n2", False, None),)
 
 
 def test_file_rejected_for_its_time_is_read_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

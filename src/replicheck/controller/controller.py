@@ -376,12 +376,17 @@ class Controller:
 
     def _clamp_future(self) -> None:
         """Timestamps stored while the clock ran ahead are brought back to now, so a replacement
-        done then counts for one window from now (not until the wrong date) and a retry set then
-        is not put off for as long as the clock was wrong."""
+        done then counts for one window from now (not until the wrong date), a retry set then
+        is not put off for as long as the clock was wrong, a replaced node's return is awaited
+        for at most ``return_timeout_s`` from now (not a month), and approval and dismissal
+        times read as no later than now."""
         now = self._clock()
         latest = utc_iso_us(now + _dt.timedelta(seconds=self._longest_wait()))
+        deadline = utc_iso_us(now + _dt.timedelta(seconds=self.config.return_timeout_s))
         with self.store.transaction():
-            self.store.clamp_future(utc_iso_us(now), latest)
+            changed = self.store.clamp_future(utc_iso_us(now), latest, deadline)
+        if changed:
+            log.warning("%d stored time(s) were in the future (the clock ran ahead); brought back", changed)
 
     def _longest_wait(self) -> float:
         c = self.config

@@ -438,15 +438,38 @@ class Store:
         row = self._db.execute(f"SELECT COUNT(*) FROM actions WHERE {where}", args).fetchone()
         return int(row[0])
 
-    def clamp_future(self, now: str, latest: str) -> None:
-        """Bring timestamps the clock put in the future back to ``now``: finish times after
-        ``now``, and next attempts after ``latest`` (the longest wait the controller sets)."""
-        self._db.execute("UPDATE actions SET finished_at=? WHERE finished_at > ?", (now, now))
-        self._db.execute(
-            "UPDATE actions SET next_attempt_at=? WHERE status IN ('pending', 'in_flight') "
-            "AND next_attempt_at > ?",
-            (now, latest),
-        )
+    def clamp_future(self, now: str, latest: str, latest_deadline: str) -> int:
+        """Bring timestamps the clock put in the future back: finish times, records' approval
+        and dismissal times and their last update after ``now`` to ``now``; next attempts after
+        ``latest`` (the longest wait the controller sets) to ``now``; a replaced node's return
+        deadline after ``latest_deadline`` (now plus the return timeout) to that. Returns how
+        many rows changed."""
+        changed = 0
+        for sql, args in (
+            ("UPDATE actions SET finished_at=? WHERE finished_at > ?", (now, now)),
+            (
+                "UPDATE actions SET next_attempt_at=? WHERE status IN ('pending', 'in_flight') "
+                "AND next_attempt_at > ?",
+                (now, latest),
+            ),
+            (
+                "UPDATE actions SET params=json_set(params, '$.deadline', ?) WHERE status IN "
+                "('pending', 'in_flight') AND json_valid(params) "
+                "AND json_extract(params, '$.deadline') > ?",
+                (latest_deadline, latest_deadline),
+            ),
+            *(
+                (
+                    f"UPDATE records SET data=json_set(data, '$.{field}', ?) WHERE json_valid(data) "
+                    f"AND json_extract(data, '$.{field}') > ?",
+                    (now, now),
+                )
+                for field in ("approved_at", "dismissed_at")
+            ),
+            ("UPDATE records SET updated_at=? WHERE updated_at > ?", (now, now)),
+        ):
+            changed += self._db.execute(sql, args).rowcount
+        return changed
 
     def nodes_held(self, exclude_incident: str) -> set[str]:
         """Nodes still cordoned by other incidents that are not finished."""
