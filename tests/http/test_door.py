@@ -14,8 +14,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 from httpkit import ALICE_TOKEN, JOB_TOKEN, Live, call, cluster, make_incident, write_tokens
 
+from replicheck.controller.errors import ConfigError
 from replicheck.controller.http import (
     BackgroundServer,
     HttpConfig,
@@ -137,6 +139,15 @@ def test_forwarded_for_not_trusted_by_default(live: Live) -> None:
     with sqlite3.connect(live.db) as db:
         actors = [r[0] for r in db.execute("SELECT actor FROM audit WHERE what='refused request'")]
     assert actors == ["http:127.0.0.1"]
+
+
+def test_trusted_proxy_must_be_an_address_or_network() -> None:
+    """--trusted-proxy takes IP addresses and networks only: a typo is a clear ConfigError at
+    start (before: accepted, so the proxy's X-Forwarded-For was silently never believed)."""
+    assert ServerLimits(trusted_proxies=("10.0.0.5", "10.0.0.0/24", "::1")).trusted_proxies
+    for bad in ("not-an-ip", "10.0.0.1/24", "*"):
+        with pytest.raises(ConfigError, match="--trusted-proxy"):
+            ServerLimits(trusted_proxies=(bad,))
 
 
 def test_rate_limit_per_credential(serve: Callable[..., Live]) -> None:

@@ -104,7 +104,7 @@ def _add_http_options(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         metavar="N",
-        help="client connections open at once (default 256, at most half the descriptor limit); "
+        help="client connections open at once (default 256, at most (descriptor limit - 192) / 2); "
         "an idle one is closed to make room",
     )
     parser.add_argument(

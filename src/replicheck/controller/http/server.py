@@ -11,6 +11,7 @@ descriptors, which the reconcile loop and SQLite need too.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import resource
 import socket
 import threading
@@ -53,10 +54,20 @@ class ServerLimits:
 
     def __post_init__(self) -> None:
         if self.max_connections < 1:
-            raise ConfigError("max_connections must be at least 1")
+            raise ConfigError("max_connections (--max-connections) must be at least 1")
         for name in ("header_timeout_s", "keep_alive_s"):
             if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be positive")
+                flag = " (--header-timeout)" if name == "header_timeout_s" else ""
+                raise ConfigError(f"{name}{flag} must be positive")
+        for proxy in self.trusted_proxies:
+            # A typo would silently trust no one (or, as a hostname, fail only at start in uvicorn).
+            try:
+                ipaddress.ip_network(proxy)
+            except ValueError:
+                raise ConfigError(
+                    f"trusted proxy (--trusted-proxy) {proxy!r} is not an IP address or network "
+                    "(for example 10.0.0.5 or 10.0.0.0/24)"
+                ) from None
 
     def connection_cap(self) -> int:
         """``max_connections``, lowered to fit the process's descriptor limit."""
