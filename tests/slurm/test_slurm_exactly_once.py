@@ -145,7 +145,7 @@ def test_interrupted_custom_replace_is_not_repeated(slurm: SlurmCluster, tmp_pat
 
 
 def test_resubmit_in_doubt_past_min_job_age_is_not_repeated(slurm: SlurmCluster, tmp_path: Path) -> None:
-    """An unrecorded resubmission older than MinJobAge, whose job Slurm no longer lists, is refused rather than repeated."""
+    """An unrecorded resubmission older than MinJobAge (or stamped in the future, so of unknown age), whose job Slurm no longer lists, is refused rather than repeated."""
     from test_slurm_backend import backend
 
     from replicheck.controller.backends.base import ResumeRequest
@@ -168,6 +168,12 @@ def test_resubmit_in_doubt_past_min_job_age_is_not_repeated(slurm: SlurmCluster,
     )
     with pytest.raises(PermanentBackendError, match="MinJobAge=600s"):
         b.resume(old, key)
+    # Stamped while the clock ran 30 days ahead: its real age is unknown, so not repeated either.
+    ahead = dataclasses.replace(
+        old, previous_attempt_at=(dt.datetime.now(dt.UTC) + dt.timedelta(days=30)).isoformat()
+    )
+    with pytest.raises(PermanentBackendError, match="MinJobAge=600s"):
+        b.resume(ahead, key)
     assert not tally.exists()
     recent = dataclasses.replace(old, previous_attempt_at=dt.datetime.now(dt.UTC).isoformat())
     b.resume(recent, key)  # absence within MinJobAge proves nothing ran: submit

@@ -477,7 +477,9 @@ class SlurmBackend:
         min_age = int(match.group(1)) if match else 0
         started = _dt.datetime.fromisoformat(attempt_at)
         age = (_dt.datetime.now(_dt.UTC) - started).total_seconds()
-        if age >= min_age:
+        # A start stamped in the future (the clock ran ahead then) says nothing of how long ago
+        # it really was: not conclusive either.
+        if age >= min_age or age < 0:
             raise PermanentBackendError(
                 f"a resubmission started at {attempt_at} may have run (no job with comment {marker} is "
                 f"listed, but Slurm forgets finished jobs after MinJobAge={min_age}s); not repeating it: "
