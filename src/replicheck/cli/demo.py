@@ -84,6 +84,12 @@ def _serve(args: argparse.Namespace) -> int:
             config=None,
             job_token_file=None,
             operator_token_file=str(token),
+            # The door's limits at their defaults (the flags `controller serve` takes).
             max_body_bytes=None,
+            requests_per_minute=None,
+            incidents_per_day=None,
+            max_connections=None,
+            header_timeout=None,
+            trusted_proxy=None,
         )
     )
