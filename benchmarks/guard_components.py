@@ -1,14 +1,12 @@
 """Per-component CPU cost of the guard's ordinary step (issue 11: per-step overhead).
 
 Two gloo ranks train the decoder of ``benchmarks/overhead.py`` (d_model 256, 4 layers, 8 x 256
-tokens per rank) in four loops whose steps alternate (order rotated every round): plain DDP;
-guarded with every ordinary-step check (``guard``: the failure flag posted after the forward and
-collected before the first all-reduce); ``syncflag``: the same, but each flag waited for right
-after its forward (the protocol before this change); ``noflag``: the flag replaced by a constant
-(measurement only: without the flag an error in one rank's forward would leave the others in the
-gradient all-reduce). No verification or weight check runs, so the differences are
-the ordinary step's own cost. Then, on the same ranks, the one-value flag all-gather and the
-step-row all-gather alone, and in one process the comm-hook work on the model's gradients.
+tokens per rank) in two loops whose steps alternate (order rotated every round): plain DDP and
+guarded with every ordinary-step check (``guard``; since issue 26 a DDP step shares no failure
+flag: a failure rides in the step's row). No verification or weight check runs, so the
+difference is the ordinary step's own cost. Then, on the same ranks, the 8-byte flag all-reduce
+FSDP2 runs after each forward and the step-row all-gather alone, and in one process the
+comm-hook work on the model's gradients.
 
     python benchmarks/guard_components.py [--rounds 30] [--json out.json]
 
@@ -54,23 +52,10 @@ def _bench(ctx: RankContext, rounds: int, batch: int) -> dict[str, Any]:
     import torch.distributed as dist
 
     cfg = GuardConfig(verify_every=1_000_000, weights_every=0, loss_reduction="sample_mean")
-    kinds = ("guard", "syncflag", "noflag")
+    kinds = ("guard",)
     models = {k: DistributedDataParallel(make_model(MODEL, seed=0)) for k in ("plain", *kinds)}
     opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in models.items()}
     guards = {k: Guard(models[k], opts[k], lm_loss, cfg, node=ctx.node) for k in kinds}
-    world = guards["noflag"].world_size
-
-    def constant(flag: bool) -> Callable[[], list[bool]]:
-        return lambda: [flag] * world
-
-    post = guards["syncflag"].comm.post_host_flag
-
-    def waited(flag: bool) -> Callable[[], list[bool]]:
-        flags = post(flag)()  # waited for at once, as after every forward before
-        return lambda: flags
-
-    guards["noflag"].comm.post_host_flag = constant  # type: ignore[method-assign]
-    guards["syncflag"].comm.post_host_flag = waited  # type: ignore[method-assign]
     b = synthetic_batch(MODEL, step=0, rank=ctx.rank, batch=batch)
 
     def plain() -> None:
@@ -96,7 +81,7 @@ def _bench(ctx: RankContext, rounds: int, batch: int) -> dict[str, Any]:
     micro: dict[str, tuple[list[float], list[float]]] = {"flag_gather": ([], []), "row_gather": ([], [])}
     for _ in range(200):
         for name, fn in (
-            ("flag_gather", lambda: comm.host_flags(False)),
+            ("flag_gather", lambda: comm.flagged(False)),
             ("row_gather", lambda: comm.gather_rows(row)),
         ):
             w, c = _timed(fn, dist.barrier)

@@ -33,7 +33,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from benchkit.interleave import run_rounds, summary
-from benchkit.phases import GUARD_PHASES, PhaseTimer
+from benchkit.phases import GUARD_PHASES, SHARDED_PHASES, PhaseTimer
 from replicheck.guard import Guard, GuardConfig
 from replicheck.guard.config import Mode
 from replicheck.harness.jobs import shard
@@ -108,7 +108,7 @@ def _bench(ctx: RankContext, opts: dict[str, Any]) -> dict[str, Any]:
     # The latency-first step by component: the same guard, plain steps interleaved as before.
     guard = guards["latency_first"]
     timed = timer(guard)
-    phases = PhaseTimer(GUARD_PHASES)
+    phases = PhaseTimer(SHARDED_PHASES if opts["parallel"] == "fsdp" else GUARD_PHASES)
     guarded_t: list[float] = []
     plain_t: list[float] = []
     per_step: list[dict[str, float]] = []

@@ -128,8 +128,14 @@ GUARD_PHASES = [
     Target("replicheck.fingerprint:digest", "reduced-gradient digests"),
     Target("replicheck.guard.transport.comm:Comm.exchange", "ring exchange of probes"),
     Target("replicheck.guard.transport.comm:Comm.gather_rows", "the step's all-gather"),
-    Target("replicheck.guard.step.flags:FailureFlags.post", "per-forward failure flag", absorbing=True),
-    Target("replicheck.guard.step.flags:FailureFlags.collect", "per-forward failure flag", absorbing=True),
 ]
 """The guard's phases as of this writing; a missing name is reported, not fatal (and
 tests/benchmarks/test_phases.py fails on one, and on one a guarded DDP step never calls)."""
+
+SHARDED_PHASES = [
+    *GUARD_PHASES,
+    Target(
+        "replicheck.guard.step.flags:FailureFlags.share", "per-forward failure flag (FSDP2)", absorbing=True
+    ),
+]
+"""FSDP2 adds the failure flag shared after each forward (a DDP step shares none)."""

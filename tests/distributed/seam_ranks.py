@@ -9,7 +9,7 @@ as hand-written data-parallel loops (and some frameworks) do.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -39,12 +39,14 @@ class ManualDataParallel(Parallelism):
     def __init__(self, module: torch.nn.Module) -> None:
         super().__init__(module, module, Comm(None))
         self._stats: _Stats | None = None
-        self._peer_failed: Callable[[], bool] = lambda: False
+        self._failed = False
 
-    def install(self, config: GuardConfig, peer_failed: Callable[[], bool]) -> GradStats:
+    def install(self, config: GuardConfig) -> GradStats:
         self._stats = _Stats(digest_reduced=config.check_reduced and self.comm.world_size > 1)
-        self._peer_failed = peer_failed
         return self._stats
+
+    def join_failed_backward(self) -> None:
+        self._failed = True  # this step's reduction (on leaving accumulate) sends zeros
 
     def replays(self, params: Sequence[torch.nn.Parameter]) -> Replays:
         return AloneReplays(params)
@@ -56,10 +58,15 @@ class ManualDataParallel(Parallelism):
             self._reduce(self._stats)
 
     def _reduce(self, stats: _Stats) -> None:
+        if self._failed:
+            # A rank that failed takes part with zeros: its peers' sums complete, and the step's
+            # row then stops every rank.
+            self._failed = False
+            for p in self.module.parameters():
+                dist.all_reduce(torch.zeros_like(p))
+            return
         grads = [p.grad for p in self.module.parameters() if p.grad is not None]
         stats._local_sq.extend(sq_norm(g) for g in grads)  # this rank's own gradient, before the sum
-        if self._peer_failed():  # every rank asks at the same point: a failed rank never reduces
-            return
         for i, g in enumerate(grads):
             dist.all_reduce(g)
             g.div_(self.comm.world_size)

@@ -117,3 +117,44 @@ def test_a_peer_named_twice_is_refused() -> None:
         comm.exchange([], [0])
     with pytest.raises(CommError, match="invalid destination"):
         comm.exchange([(3, "a")], [])
+
+
+def _flags_and_rows(ctx: RankContext) -> dict[str, Any]:
+    """Comm.flagged and Comm.gather_rows on every rank, counting the collectives they issue."""
+    comm = Comm(None, device=torch.device("cpu"))
+    calls = {"all_reduce": 0, "gather": 0}
+    real_reduce, real_gather = (
+        dist.all_reduce,
+        getattr(dist, "all_gather_single", dist.all_gather_into_tensor),
+    )
+
+    def reduce(*a: Any, **k: Any) -> Any:
+        calls["all_reduce"] += 1
+        return real_reduce(*a, **k)
+
+    def gather(*a: Any, **k: Any) -> Any:
+        calls["gather"] += 1
+        return real_gather(*a, **k)
+
+    name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+    out: dict[str, Any] = {}
+    with mock.patch.object(dist, "all_reduce", reduce), mock.patch.object(dist, name, gather):
+        out["none"] = comm.flagged(False)
+        out["none_calls"] = dict(calls)
+        out["some"] = comm.flagged(ctx.rank in (1, 2))
+        out["rows"] = comm.gather_rows(torch.tensor([ctx.rank, 10 * ctx.rank], dtype=torch.int64)).tolist()
+    out["calls"] = calls
+    return out
+
+
+@pytest.mark.timeout(90)
+def test_flags_cost_one_small_collective_unless_a_rank_raised_one() -> None:
+    """Comm.flagged: when no rank raised its flag, one 8-byte all-reduce and nothing else (the
+    same at any world size); when some did, every rank learns exactly which; gather_rows is one
+    collective into a (world, len) tensor."""
+    results = run_local(_flags_and_rows, node_names(2, 2), timeout=60)
+    for r in results:
+        assert r["none"] == [] and r["none_calls"] == {"all_reduce": 1, "gather": 0}
+        assert r["some"] == [1, 2]
+        assert r["rows"] == [[k, 10 * k] for k in range(4)]
+        assert r["calls"] == {"all_reduce": 2, "gather": 2}

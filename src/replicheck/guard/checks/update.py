@@ -115,7 +115,8 @@ class UpdateReplay:
         got = UpdateRecord.decode(self._comm.exchange([(verifier, light.encode())], [source])[source])
         replayed, failure = self._replay_digests(got)
         same = failure is None and (replayed is None or replayed == got.digests)
-        pending = [v for v, ok in enumerate(self._comm.gather_objects(same)) if not ok]
+        # Verifiers whose replay is not bit-identical: one constant-size collective when all are.
+        pending = self._comm.flagged(not same, "update replays")
         if not pending:
             self._before = None  # the copy of the shard is not kept between verifications
             return None

@@ -172,10 +172,9 @@ class Parallelism(ABC):
 
     # -- gradients ------------------------------------------------------------------------------
     @abstractmethod
-    def install(self, config: GuardConfig, peer_failed: Callable[[], bool]) -> GradStats:
+    def install(self, config: GuardConfig) -> GradStats:
         """Take the place where this rank's gradient is seen before its reduction; return the
-        step's gradient statistics. ``peer_failed`` says whether a rank failed in this step's
-        forward (asked before a reduction a failed rank never joins)."""
+        step's gradient statistics."""
 
     @abstractmethod
     def replays(self, params: Sequence[torch.nn.Parameter]) -> Replays:
@@ -207,6 +206,11 @@ class Parallelism(ABC):
     def failing_backward(self, synced: bool) -> AbstractContextManager[Any]:
         """Around a backward: when it raises on this rank, finish what the other ranks wait for."""
         return contextlib.nullcontext()
+
+    def join_failed_backward(self) -> None:
+        """This rank failed before the step's synchronising backward (passes that are not
+        collectives): take part in the reductions the other ranks' backward runs."""
+        return None
 
     def fingerprint_names(self) -> tuple[str, ...] | None:
         """What each entry of a probe fingerprint covers, when not one per checked parameter."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -43,9 +43,8 @@ class DataParallel(Parallelism):
             )
         return cls(model) if isinstance(model, DistributedDataParallel) else None
 
-    def install(self, config: GuardConfig, peer_failed: Callable[[], bool]) -> GradStats:
+    def install(self, config: GuardConfig) -> GradStats:
         health = GradHealth(self.comm.group, digest_reduced=config.check_reduced and self.comm.world_size > 1)
-        health.peer_failed = peer_failed
         try:
             self.ddp.register_comm_hook(None, self._buckets.wrap(health.comm_hook))
         except RuntimeError as exc:
@@ -75,6 +74,11 @@ class DataParallel(Parallelism):
             if synced and self._hooked:
                 finish_reductions(self.ddp, self._buckets.launched)
             raise
+
+    def join_failed_backward(self) -> None:
+        """Every bucket's all-reduce, with zeros, in DDP's order (the step is discarded anyway)."""
+        if self._hooked:
+            finish_reductions(self.ddp, 0)
 
     def forwards(self) -> int:
         return self._forwards.count

@@ -41,9 +41,6 @@ class GradHealth(GradStats):
 
     def __init__(self, group: dist.ProcessGroup | None, digest_reduced: bool) -> None:
         self.group = group
-        self.peer_failed: Callable[[], bool] | None = None
-        """Asked before each bucket's all-reduce: when a rank failed in this step's forward (it
-        never joins the all-reduce), the bucket is left local instead (the step is discarded)."""
         super().__init__(digest_reduced)
 
     # -- DDP communication hook -------------------------------------------------------------
@@ -51,10 +48,6 @@ class GradHealth(GradStats):
         buf = bucket.buffer()
         # Squared norm: one streaming read; NaN and Inf propagate into it.
         self._local_sq.append(sq_norm(buf))
-        if self.peer_failed is not None and self.peer_failed():
-            skipped: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-            skipped.set_result(buf)
-            return skipped
         world = dist.get_world_size(self.group)
         buf.div_(world)
         work = dist.all_reduce(buf, group=self.group, async_op=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -174,7 +174,7 @@ class Sharded(Parallelism):
             raise GuardConfigError("internal: the sharded model's gradients are not tapped yet")
         return self._tap
 
-    def install(self, config: GuardConfig, peer_failed: Callable[[], bool]) -> GradStats:
+    def install(self, config: GuardConfig) -> GradStats:
         # Replica groups vote on the reduced shards; plain FSDP2 checks each reduce-scatter instead.
         self._tap = GradTap(
             self.model,

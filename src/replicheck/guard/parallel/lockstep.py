@@ -91,14 +91,10 @@ class LockstepReplays(Replays):
             error = exc
             if self._forwards.count == entered:
                 collectives_of_forward(self._order)
-        failed = self._comm.host_flags(error is not None)
+        failed = self._comm.flagged(error is not None)
         self._passes += 1
-        if any(failed):
-            shared = (
-                error
-                if error is not None
-                else PeerFailed(current_step(), tuple(r for r, f in enumerate(failed) if f))
-            )
+        if failed:
+            shared = error if error is not None else PeerFailed(current_step(), tuple(failed))
             self._shared = shared
             raise shared
         if loss is None:

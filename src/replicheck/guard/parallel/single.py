@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -40,7 +40,7 @@ class SingleProcess(Parallelism):
         found = cls(model)
         return found if found.comm.world_size == 1 else None
 
-    def install(self, config: GuardConfig, peer_failed: Callable[[], bool]) -> GradStats:
+    def install(self, config: GuardConfig) -> GradStats:
         return LocalGradients(digest_reduced=False)
 
     def replays(self, params: Sequence[torch.nn.Parameter]) -> Replays:

@@ -1,11 +1,12 @@
 """An error on one rank ends every rank in the same step: this rank's error and the protocol.
 
-A failed rank keeps the step's shape (the same forwards, so the same flags and the collectives
-DDP runs in a forward) but runs no backward; the flag it posts after each forward
-(:mod:`replicheck.guard.step.flags`) tells the healthy ranks, in the comm hook before their first
-all-reduce, to skip the step's all-reduces. After the passes, or at the step's row all-gather
-for errors that come later, the failed rank re-raises its error and the others raise
-:class:`PeerFailed`; none waits in a collective until the process group's timeout.
+A failed rank keeps the step's shape (the same forwards, so the collectives DDP runs in a
+forward) but runs no backward of its own. Under DDP it joins the synchronising backward's
+all-reduces with zeros and reports its failure in the step's row; under FSDP2 every rank shares a
+flag after each forward and all skip the rest of the passes (:mod:`replicheck.guard.step.flags`).
+At the step's row all-gather (DDP) or after the passes (FSDP2) the failed rank re-raises its error
+and the others raise :class:`PeerFailed`; none waits in a collective until the process group's
+timeout.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ class StepFailure:
         self.comm = parallelism.comm
         """The guarded job's collectives."""
         self.flags = FailureFlags(parallelism.comm)
-        """The per-forward flags (the comm hook asks them before the first all-reduce)."""
+        """The per-forward flags of collective passes (FSDP2)."""
         self.error: BaseException | None = None
         """This rank's error in the step, until the step stops on it."""
         self._peer_failed = False
@@ -68,11 +69,10 @@ class StepFailure:
                 self.note(exc)
         if self.error is not None and self._par.forwards() == entered:
             self._par.join_failed_forward(skipped)
-        self.flags.post(self.error is not None)
         if self._par.passes_are_collective:
             # The backward is a collective then: every rank must know now whether any failed,
             # and then every rank skips the rest of the step's passes.
-            self._peer_failed = any(self.flags.collect())
+            self._peer_failed = self.flags.share(self.error is not None)
         if self.error is not None or loss is None or self._peer_failed:
             return None
         return loss, count
@@ -86,6 +86,12 @@ class StepFailure:
                 loss.backward()  # type: ignore[no-untyped-call]  # torch's stubs leave it untyped
         except Exception as exc:  # noqa: BLE001 - re-raised on this rank by stop()
             self.note(exc)
+
+    def join_backward(self, synced: bool) -> None:
+        """This rank failed before a backward: on a synchronising one, take part in what the other
+        ranks' backward waits for (DDP: its all-reduces, with zeros)."""
+        if synced and not self._par.passes_are_collective:
+            self._par.join_failed_backward()
 
     def attempt(self, run: Callable[[], T]) -> T | None:
         """Run a computation whose error is reported in the step's all-gather row, not raised here."""
@@ -109,8 +115,9 @@ class StepFailure:
         raise PeerFailed(s, ranks)
 
     def stop_after_passes(self, s: int) -> None:
-        """Every rank has posted one flag per forward; a failure anywhere ends the step here."""
+        """Collective passes (FSDP2): every rank has shared a flag per forward; one more for what
+        came after (a reduced-gradient hook's error), and a failure anywhere ends the step here,
+        before the replays (collectives too). Under DDP failures travel in the step's row."""
         if self._par.passes_are_collective:
-            # Replays are collectives there: a reduced-gradient hook's error stops every rank now.
-            self.flags.post(self.failed)
-        self.stop(s, self.flags.collect())
+            self.flags.share(self.failed)
+            self.stop(s, self.flags.ranks())

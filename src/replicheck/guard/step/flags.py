@@ -1,47 +1,40 @@
-"""The step's failure flags: posted after each forward without waiting, collected before the
-step's first gradient all-reduce.
+"""The step's failure flags: how every rank learns that one failed, at a point where all meet.
 
-An error on one rank must end every rank in the same step, and a rank whose forward failed never
-joins the backward's all-reduce. Every rank therefore shares a failed/ok flag after each forward
-(one value per rank, over a host group), but nothing waits for it there: the wait happens in the
-DDP comm hook right before the first bucket's all-reduce, itself a point where the ranks meet,
-so the flag adds no synchronisation point of its own. When a peer failed, every healthy rank skips
-all the step's all-reduces (the buckets stay local; the step is discarded), and every rank raises
-once its passes are done: the failing one its own error, the others :class:`PeerFailed`.
+An error on one rank must end every rank in the same step, and no rank may be left waiting in a
+collective its failed peer never joins.
+
+- **DDP** (passes are not collectives): nothing is shared per forward. A rank that failed still
+  takes part in every all-reduce of the step's synchronising backward, with zeros (as DDP's own
+  ``join`` does for a rank out of data), so its peers' backward completes; its failure rides in
+  the step's row all-gather, after which every rank stops. No extra collective, no host barrier.
+- **FSDP2** (every forward and backward is a collective): a failed rank cannot run the backward's
+  all-gathers and reduce-scatters without a graph, so after each forward every rank learns
+  whether any failed — one 8-byte all-reduce on the communication device
+  (:meth:`~replicheck.guard.transport.comm.Comm.flagged`), the same cost at any world size — and
+  then every rank skips the rest of the step's passes.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 from replicheck.guard.transport.comm import Comm
 
 
 class FailureFlags:
-    """This step's posted flags and the ranks they showed failed."""
+    """The ranks this step's shared flags showed failed (collective passes only)."""
 
     def __init__(self, comm: Comm) -> None:
         self._comm = comm
-        self._pending: list[Callable[[], list[bool]]] = []
-        self._failed = [False] * comm.world_size
+        self._failed: set[int] = set()
 
     def reset(self) -> None:
-        """Start a step: forget the last one's flags (all were collected unless a step was left
-        by an exception outside the protocol, whose gathers every rank posted anyway)."""
-        self._pending.clear()
-        self._failed = [False] * self._comm.world_size
+        """Start a step."""
+        self._failed = set()
 
-    def post(self, failed: bool) -> None:
-        """Share this rank's flag after a forward pass, without waiting for the others."""
-        self._pending.append(self._comm.post_host_flag(failed))
+    def share(self, failed: bool) -> bool:
+        """Collective: share this rank's flag now; whether any rank has failed in this step."""
+        self._failed.update(self._comm.flagged(failed))
+        return bool(self._failed)
 
-    def collect(self) -> list[bool]:
-        """Wait for every flag posted so far; per rank, whether it failed in this step."""
-        for wait in self._pending:
-            self._failed = [a or b for a, b in zip(self._failed, wait())]
-        self._pending.clear()
-        return list(self._failed)
-
-    def any_failed(self) -> bool:
-        """:meth:`collect`, reduced to whether any rank failed (what the comm hook asks)."""
-        return any(self.collect())
+    def ranks(self) -> list[bool]:
+        """Per rank, whether a shared flag showed it failed in this step."""
+        return [r in self._failed for r in range(self._comm.world_size)]

@@ -113,7 +113,7 @@ class Guard:
         self._ring = Ring.build([n.name for n in self._nodes])
 
         self._fail = StepFailure(optimizer, par)
-        self._health = par.install(cfg, self._fail.flags.any_failed)
+        self._health = par.install(cfg)
         self._tolerances = ToleranceState(cfg, par.module, self._device, self._params, self.comm.rank)
         tolerances = self._tolerances
         fingerprinter = Fingerprinter(cfg.mode, cfg.sketch_k, lambda: tolerances.tolerance().sketch_block)

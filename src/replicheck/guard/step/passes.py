@@ -138,7 +138,10 @@ class StepPasses:
                 run = functools.partial(self._checked_loss if early else self._loss_fn, self._model, mb)
                 got = self._fail.forward(run, "training pass")
                 if got is None:
-                    continue  # this rank failed: no backward (its peers learn it before theirs syncs)
+                    # This rank failed: no backward of its own, but its part in the synchronising
+                    # one's collectives (its peers learn of the failure from the step's row).
+                    self._fail.join_backward(synced=last)
+                    continue
                 loss, count = got
                 self._note_loss_kind(count)
                 w = weights[i]
@@ -171,6 +174,9 @@ class StepPasses:
         if self._health.errors:
             self._fail.note(self._health.errors[0])
         self._fail.stop_after_passes(s)
+        if self._fail.failed:
+            # Under DDP a failed rank goes on to the step's row, which stops every rank.
+            return Backward(loss=torch.zeros((), dtype=torch.float64, device=self._par.device), passes=[])
         if self._loss_sum:
             passes = [dataclasses.replace(p, weight=scale) for p in passes]
             step_loss = _total(part.double() for _, part, _ in parts) * scale

@@ -69,10 +69,17 @@ class RowBuilder:
         # Read after the replay: an error there is this rank's failure too.
         return dataclasses.replace(row, failed=self._fail.failed), view
 
-    def _verify_pair(self, s: int, own: ProbePayload) -> tuple[LocalView, float, float]:
-        """Send our probe to our verifier, replay our source's probe; return the comparison."""
+    def _verify_pair(self, s: int, own: ProbePayload) -> tuple[LocalView | None, float, float]:
+        """Send our probe to our verifier, replay our source's probe; return the comparison.
+
+        A rank that failed in this step sends ``None`` instead of its probe (it may have none), and
+        its verifier replays nothing: the failed column of the step's row stops every rank."""
         verifier, source = self._ring.verifier_of(self._comm.rank), self._ring.source_of(self._comm.rank)
-        received = ProbePayload.decode(self._comm.exchange([(verifier, own.encode())], [source])[source])
+        message = None if self._fail.failed else own.encode()
+        got = self._comm.exchange([(verifier, message)], [source])[source]
+        if got is None:
+            return None, 0.0, 0.0
+        received = ProbePayload.decode(got)
         replayed = self._fail.attempt(lambda: self._recompute.payload(received, s))
         mode = self._mode
         if replayed is None:  # the error rides in the step's row and stops every rank

@@ -14,7 +14,7 @@ computes with a decoded tensor moves it to the compute device itself.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TypeVar, cast
 
 import torch
@@ -105,7 +105,6 @@ class Comm:
             device = comm_device(dist.get_backend_config(group), where) if self.distributed else where
         self.device = torch.device(device)
         """Where collectives move tensors (module docstring)."""
-        self._host_group: dist.ProcessGroup | None = None
         self._p2p_ready = False
 
     def _keep(self, *tensors: torch.Tensor) -> None:
@@ -119,25 +118,23 @@ class Comm:
     def gather_rows(self, row: torch.Tensor) -> torch.Tensor:
         """All-gather one 1-D int64 row per rank into a ``(world, len)`` CPU tensor.
 
-        One counted device→host transfer: after the all-gather where the group moves device
-        tensors (NCCL), before it where it moves host tensors (gloo).
+        One collective into one output tensor (no per-rank allocation) and one counted
+        device→host transfer: after the all-gather where the group moves device tensors (NCCL),
+        before it where it moves host tensors (gloo).
         """
         if self.world_size == 1:
             return to_host(row.reshape(1, -1), "step row").clone()
-        if self.device.type == "cpu":
-            return self._gather_host(to_host(row, "step row"))
-        local = row.to(self.device)
-        out = [torch.empty_like(local) for _ in range(self.world_size)]
-        dist.all_gather(out, local, group=self.group)
-        self._keep(local, *out)
-        return to_host(torch.stack(out), "step row")
+        local = to_host(row, "step row") if self.device.type == "cpu" else row.to(self.device)
+        out = self._all_gather(local.reshape(-1))
+        return out if self.device.type == "cpu" else to_host(out, "step row")
 
-    def _gather_host(self, local: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
-        """All-gather of a CPU row over a group that moves host tensors (no transfer)."""
-        out = [torch.empty_like(local) for _ in range(self.world_size)]
-        dist.all_gather(out, local, group=group if group is not None else self.group)
-        self._keep(local, *out)
-        return torch.stack(out)
+    def _all_gather(self, local: torch.Tensor) -> torch.Tensor:
+        """Every rank's 1-D ``local`` (same length everywhere) as a ``(world, len)`` tensor on its
+        device: one collective into one flat output."""
+        out = torch.empty(self.world_size * local.numel(), dtype=local.dtype, device=local.device)
+        _all_gather_single(out, local, self.group)
+        self._keep(local, out)
+        return out.view(self.world_size, -1)
 
     def max_int(self, value: int) -> int:
         """The largest ``value`` any rank gives (waits for every rank)."""
@@ -148,44 +145,23 @@ class Comm:
         self._keep(t)
         return int(to_host(t, "pass count")[0])
 
-    def host_flags(self, flag: bool) -> list[bool]:
-        """Every rank's ``flag`` (waits for every rank: :meth:`post_host_flag`, then its result)."""
-        return self.post_host_flag(flag)()
+    def flagged(self, flag: bool, why: str = "failure flags") -> list[int]:
+        """The ranks that gave ``flag=True`` (waits for every rank).
 
-    def post_host_flag(self, flag: bool) -> Callable[[], list[bool]]:
-        """Start gathering every rank's ``flag`` without touching the accelerator; returns the
-        wait for the result.
-
-        Gloo groups gather the host value in place, asynchronously. On NCCL a one-value
-        all-gather of a device tensor would wait for the device's queued work, so the flags
-        travel over a CPU (gloo) group created on first use (every rank posts at the same points,
-        so the group is created symmetrically); over an NCCL subgroup (``new_group`` needs every
-        process of the job) the device path is used, synchronously.
+        One 8-byte all-reduce on the communication device and one counted transfer, whatever the
+        world size; only when some rank raised its flag (a failure path) does a second collective
+        say which ones. No host-only group is needed, so no whole-world TCP mesh under NCCL.
         """
         if self.world_size == 1:
-            return lambda: [flag]
-        local = torch.tensor([int(flag)], dtype=torch.int64)
-        whole_world = self.group is None or self.group == dist.group.WORLD
-        if self.device.type == "cpu":
-            group = self.group
-        elif whole_world:
-            if self._host_group is None:
-                ranks = [self.global_rank(r) for r in range(self.world_size)]
-                self._host_group = dist.new_group(ranks, backend="gloo")
-            group = self._host_group
-        else:
-            flags = [bool(f) for f in self.gather_rows(local)[:, 0].tolist()]
-            return lambda: flags
-        out = [torch.empty_like(local) for _ in range(self.world_size)]
-        work = dist.all_gather(out, local, group=group, async_op=True)
-        self._keep(local, *out)
-
-        def wait() -> list[bool]:
-            if work is not None:
-                work.wait()
-            return [bool(int(t[0])) for t in out]
-
-        return wait
+            return [0] if flag else []
+        t = torch.tensor([int(flag)], dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, group=self.group)
+        self._keep(t)
+        if not int(to_host(t, why)[0]):
+            return []
+        local = torch.tensor([int(flag)], dtype=torch.int64, device=self.device)
+        every = to_host(self._all_gather(local), why)
+        return [r for r, f in enumerate(every[:, 0].tolist()) if f]
 
     def gather_objects(self, obj: T) -> list[T]:
         """Every rank's ``obj`` (pickled), indexed by rank."""
@@ -194,14 +170,10 @@ class Comm:
         # Not all_gather_object: its tensors are torch's own, which this class cannot keep alive.
         data = pack(obj).to(self.device)
         length = torch.tensor([data.numel()], dtype=torch.int64, device=self.device)
-        lengths = [torch.empty_like(length) for _ in range(self.world_size)]
-        dist.all_gather(lengths, length, group=self.group)
-        sizes = [int(n) for n in to_host(torch.cat(lengths), "object lengths").tolist()]
+        sizes = [int(n) for n in to_host(self._all_gather(length), "object lengths")[:, 0].tolist()]
         padded = torch.zeros(max(sizes), dtype=torch.uint8, device=self.device)
         padded[: data.numel()] = data
-        out = [torch.empty_like(padded) for _ in range(self.world_size)]
-        dist.all_gather(out, padded, group=self.group)
-        self._keep(length, *lengths, padded, *out)
+        out = self._all_gather(padded)
         return [cast(T, self._received(t[:n])) for t, n in zip(out, sizes)]
 
     def exchange(self, sends: Sequence[tuple[int, object]], recv_from: Sequence[int]) -> dict[int, object]:
@@ -270,6 +242,13 @@ class Comm:
         for work in dist.batch_isend_irecv(ops):
             work.wait()
         self._keep(*(t for _, t in sends), *(t for _, t in recvs))
+
+
+def _all_gather_single(out: torch.Tensor, local: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+    """All-gather into one flat tensor: ``all_gather_single`` where torch has it (it deprecates
+    ``all_gather_into_tensor``), else ``all_gather_into_tensor``."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, local, group=group)
 
 
 def _check_pattern(rank: int, world_size: int, dests: Sequence[int], sources: Sequence[int]) -> None:
