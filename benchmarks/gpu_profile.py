@@ -24,11 +24,14 @@ import os
 import statistics
 import sys
 import time
+import traceback
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchkit import gpu_parts as gp
 from benchkit.launch import run_single
@@ -95,6 +98,37 @@ def _ops_table(prof: Any, key: str, n: int) -> list[dict[str, Any]]:
 
 
 SYNC_OPS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+
+
+COPY_OPS = ("copy_", "_to_copy", "clone")
+
+
+class _CopySources(TorchDispatchMode):
+    """Counts copy operators dispatched on this thread by the innermost frame of replicheck or
+    of torch's DDP/c10d Python code that led to them (what the profiler does not attribute)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = func.__name__.split(".")[0]
+        if name in COPY_OPS:
+            where = "(no replicheck or DDP frame)"
+            for frame in reversed(traceback.extract_stack()[:-1]):
+                f = frame.filename
+                if "replicheck" in f or "nn/parallel" in f or "distributed/" in f:
+                    where = f"{f.split('/src/')[-1].split('site-packages/')[-1]}:{frame.lineno} {frame.name}"
+                    break
+            self.counts[f"{name} @ {where}"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _copy_sources(step: Callable[[], None], n: int = 12) -> list[dict[str, Any]]:
+    """Where one step's copies come from (see :class:`_CopySources`)."""
+    with _CopySources() as spy:
+        step()
+    return [{"op": k, "calls": v} for k, v in spy.counts.most_common(n)]
 
 
 def _profile_step(step: Callable[[], None]) -> dict[str, Any]:
@@ -192,10 +226,12 @@ def profile(st: CheckSettings, steps: int) -> dict[str, Any]:
             row["verification_breakdown_total_ms"] = round(1000 * t, 2)
             row["breakdown_missing"] = phases.missing
             row["profile_ordinary"] = _profile_step(lambda gd=guard: gd.step(batches[1]))
+            row["profile_ordinary_stacks"] = _copy_sources(lambda gd=guard: gd.step(batches[1]))
             while guard.next_step % EVERY:
                 guard.step(batches[0])
             row["profile_verification"] = _profile_step(lambda gd=guard: gd.step(batches[2]))
             row["profile_plain"] = _profile_step(lambda: plain_step(3))
+            row["profile_plain_stacks"] = _copy_sources(lambda: plain_step(4))
         out["variants"][name] = row
         del guard, guarded, opt
         gc.collect()
@@ -233,6 +269,16 @@ def _markdown(data: dict[str, Any]) -> str:
         ]
         for k, v in sorted(ex["verification_breakdown_ms"].items(), key=lambda kv: -kv[1]):
             lines.append(f"| {k} | {v} |")
+    for key in ("profile_plain_stacks", "profile_ordinary_stacks"):
+        if ex.get(key):
+            lines += [
+                "",
+                f"Copies by Python stack ({key.removeprefix('profile_').removesuffix('_stacks')} step):",
+                "",
+            ]
+            lines += ["| op @ innermost replicheck / DDP frame | calls |", "|---|---|"]
+            for r in ex[key]:
+                lines.append(f"| `{r['op']}` | {r['calls']} |")
     for key, title in (
         ("profile_plain", "plain step"),
         ("profile_ordinary", "ordinary guarded step"),

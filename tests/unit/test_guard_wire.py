@@ -151,3 +151,27 @@ def test_a_truncated_packed_message_raises_typed_error() -> None:
     data = pack({"x": torch.ones(3)})
     with pytest.raises(BatchError):
         unpack(data[:12])
+
+
+def test_step_rows_decode_on_demand_and_columns_match_the_rows() -> None:
+    """StepRow.decode keeps the all-gather's table: a row decoded by index (negative too, or a
+    slice) and a whole column read with tensor operations give the same values, NaN, inf and
+    negative floats included; an unknown field is a KeyError."""
+    made = [
+        StepRow(
+            loss=float(i) - 2.5,
+            local_norm=[0.5, math.nan, math.inf, -0.0][i],
+            reduced=-(7**i),
+            verified=i % 2 == 0,
+        )
+        for i in range(4)
+    ]
+    rows = StepRow.decode(torch.stack([r.encode() for r in made]))
+    assert len(rows) == 4 and repr(rows[-1]) == repr(rows[3])
+    assert [repr(r) for r in rows[1:3]] == [repr(rows[1]), repr(rows[2])]
+    for field in ("loss", "local_norm", "reduced", "verified", "failed", "precision", "pair_distance"):
+        by_row = [getattr(r, field) for r in rows]
+        assert [repr(v) for v in rows.column(field)] == [repr(v) for v in by_row], field
+    assert rows.column("reduced") == [r.reduced for r in made]
+    with pytest.raises(KeyError):
+        rows.column("nonsense")

@@ -289,7 +289,7 @@ class Guard:
         )
         rows = StepRow.decode(self.comm.gather_rows(row.encode(self._device)))
         findings = replicas.findings(
-            [int(r.weights) for r in rows], [int(r.optimizer) for r in rows], self._par.replica_groups
+            rows.column("weights"), rows.column("optimizer"), self._par.replica_groups
         )
         if findings:
             self._raise(step, findings)
@@ -319,7 +319,7 @@ class Guard:
         row, view = self._rows.row(s, done, own, check_replicas)
         # The step's one device→host transfer: every rank's row, after the all-gather.
         rows = StepRow.decode(self.comm.gather_rows(row.encode(self._device)))
-        self._fail.stop(s, [r.failed for r in rows])
+        self._fail.stop(s, rows.column("failed"))
         failed: RerunFailed | None = None
         findings: list[Finding] = []
         try:

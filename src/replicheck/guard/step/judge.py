@@ -28,7 +28,7 @@ from replicheck.guard.step.precision import ToleranceState
 from replicheck.guard.step.replay import Recompute
 from replicheck.guard.transport.batch import to_device
 from replicheck.guard.transport.comm import Comm
-from replicheck.guard.transport.records import BackwardPass, GradientWork, HostRow
+from replicheck.guard.transport.records import BackwardPass, GradientWork, Rows
 
 ReducedFinding = Callable[[Sequence[int], "Sequence[Sequence[int]] | None"], "Finding | None"]
 """The reduced-gradient finding from every rank's row (the parallelism's gradient statistics)."""
@@ -72,7 +72,7 @@ class StepJudge:
     def evaluate(
         self,
         s: int,
-        rows: Sequence[HostRow],
+        rows: Rows,
         *,
         check_replicas: bool,
         view: LocalView | None,
@@ -94,7 +94,7 @@ class StepJudge:
     def _evaluate(
         self,
         s: int,
-        rows: Sequence[HostRow],
+        rows: Rows,
         findings: list[Finding],
         check_replicas: bool,
         view: LocalView | None,
@@ -102,7 +102,7 @@ class StepJudge:
         replayer: Callable[[int], Replayer],
     ) -> None:
         bound = self._config.grad_norm_bound
-        norms = [r.local_norm for r in rows]
+        norms = rows.column("local_norm")
         bad = [r for r, n in enumerate(norms) if not replicas.healthy(n, bound)]
         if bad:
             # With a loss scaler the passes ran scaled: re-runs do too, and report unscaled norms
@@ -125,29 +125,27 @@ class StepJudge:
                     step=s,
                 )
             )
-        f = self._reduced_finding([r.reduced for r in rows], self._groups)
+        f = self._reduced_finding(rows.column("reduced"), self._groups)
         if f is not None:
             findings.append(f)
         if check_replicas:
-            findings.extend(
-                replicas.findings([r.weights for r in rows], [r.optimizer for r in rows], self._groups)
-            )
+            findings.extend(replicas.findings(rows.column("weights"), rows.column("optimizer"), self._groups))
         if view is not None:
             f = self._replay_finding(rows, view, replayer(s))
             if f is not None:
                 findings.append(f)
 
-    def _criterion(self, rows: Sequence[HostRow]) -> Criterion:
+    def _criterion(self, rows: Rows) -> Criterion:
         """How the step's pairs are judged; tolerant mode folds this step's noise into the
         calibration first, while it calibrates."""
         cfg = self._config
         if cfg.mode != "tolerant":
             return Criterion(mode=cfg.mode, threshold=0.0)
         assert self._tolerances is not None, "tolerant mode has tolerances"
-        tol = self._tolerances.agreed([r.precision for r in rows])
+        tol = self._tolerances.agreed(rows.column("precision"))
         if self.calibrating:
             self.calibration = self.calibration.fold(
-                [r.noise for r in rows], [r.pair_distance for r in rows], self._ring
+                rows.column("noise"), rows.column("pair_distance"), self._ring
             )
         threshold = self.calibration.threshold(
             margin=cfg.tolerance_margin, floor=tol.floor, ceiling=tol.ceiling
@@ -163,12 +161,14 @@ class StepJudge:
             },
         )
 
-    def _replay_finding(self, rows: Sequence[HostRow], view: LocalView, replay: Replayer) -> Finding | None:
+    def _replay_finding(self, rows: Rows, view: LocalView, replay: Replayer) -> Finding | None:
         criterion = self._criterion(rows)
+        distances = rows.column("pair_distance")
+        if all(criterion.accepts(d) for d in distances):
+            return None  # a clean step builds nothing per rank
         pairs = []
-        for ver in range(len(rows)):
+        for ver, d in enumerate(distances):
             src = self._ring.source_of(ver)
-            d = rows[ver].pair_distance
             pairs.append(
                 PairOutcome(
                     source=src,
@@ -179,8 +179,6 @@ class StepJudge:
                     agree=criterion.accepts(d),
                 )
             )
-        if all(p.agree for p in pairs):
-            return None
         return resolve_replay(
             comm=self._comm,
             ring=self._ring,
