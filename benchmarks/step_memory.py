@@ -18,6 +18,7 @@ Prints the figures as JSON. Not a test (tests/benchmarks/test_step_memory.py run
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import weakref
@@ -71,8 +72,11 @@ class AllocationCounter(TorchDispatchMode):
         return out
 
 
-def _bench(ctx: RankContext, seq_len: int, batch: int) -> dict[str, Any]:
-    cfg_model = DecoderConfig(vocab=1024, d_model=256, n_layers=4, n_heads=8, seq_len=seq_len)
+MODEL = DecoderConfig(vocab=1024, d_model=256, n_layers=4, n_heads=8, seq_len=128)
+"""The decoder of ``benchmarks/overhead.py``."""
+
+
+def _bench(ctx: RankContext, cfg_model: DecoderConfig, batch: int) -> dict[str, Any]:
 
     def make() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         model = DistributedDataParallel(make_model(cfg_model, seed=0))
@@ -126,9 +130,9 @@ def _bench(ctx: RankContext, seq_len: int, batch: int) -> dict[str, Any]:
     }
 
 
-def measure(seq_len: int = 128, batch: int = 8) -> list[dict[str, Any]]:
+def measure(model: DecoderConfig = MODEL, batch: int = 8) -> list[dict[str, Any]]:
     """Both ranks' figures (see the module docstring)."""
-    return run_local(_bench, node_names(2, 1), args=(seq_len, batch), timeout=600)
+    return run_local(_bench, node_names(2, 1), args=(model, batch), timeout=600)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -138,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    ranks = measure(args.seq_len, args.batch)
+    ranks = measure(dataclasses.replace(MODEL, seq_len=args.seq_len), args.batch)
     summary = {
         "seq_len": args.seq_len,
         "batch": args.batch,
