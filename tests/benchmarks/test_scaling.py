@@ -44,13 +44,6 @@ guard's extra passes on a verification step) and the update record of a rank's s
 verifier. They shrink with the world; asserted not to grow."""
 
 KNOWN_TO_GROW = {
-    # issue 26: being fixed. aten ops, DDP +4 per added rank (ordinary), +7 (verification): the
-    # list form of all_gather (failure flag, step rows) allocates one output per rank and reads
-    # each back.
-    "ddp/ordinary/guarded.aten_ops",
-    "ddp/ordinary/extra.aten_ops",
-    "ddp/verification/guarded.aten_ops",
-    "ddp/verification/extra.aten_ops",
     # issue 26: being fixed. FSDP2 aten ops, about +58 per added rank: the same, and the
     # reduce-scatter check's sketches of each rank's part of every reduce-scatter.
     "fsdp/ordinary/guarded.aten_ops",
@@ -64,12 +57,6 @@ KNOWN_TO_GROW = {
     "fsdp/ordinary/extra.bytes_sent:reduce_scatter_single",
     "fsdp/verification/guarded.bytes_sent:reduce_scatter_single",
     "fsdp/verification/extra.bytes_sent:reduce_scatter_single",
-    # issue 26: being fixed. FSDP2 verification: the update check's gather_objects decodes one
-    # received message per rank (world + 2 "received message" transfers: 4 at 2 ranks, 34 at 32).
-    "fsdp/verification/guarded.host_transfers",
-    "fsdp/verification/extra.host_transfers",
-    "fsdp/verification/guarded.host_transfers:received message",
-    "fsdp/verification/extra.host_transfers:received message",
 }
 """Counters that grow from 2 to 4 ranks on the code before issue 26's changes; empty it (entry by
 entry) as the changes land: the test fails on an entry that no longer grows."""
