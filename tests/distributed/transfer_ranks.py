@@ -44,7 +44,7 @@ def count_per_step(ctx: RankContext, layers: int, steps: int, period: int) -> li
     return out
 
 
-def fail_once(ctx: RankContext, where: str, at: int) -> tuple[str, float, bool]:
+def fail_once(ctx: RankContext, where: str, at: int, find_unused: bool = False) -> tuple[str, float, bool]:
     """Rank 1 fails at step ``at`` (``where``: before / inside / after the DDP forward, in the
     first of two micro-batches, or at a verification step in ``split`` mode with two micro-batches:
     in the probe that takes all of the first, or in the pass after it); what each rank raised, how
@@ -54,7 +54,7 @@ def fail_once(ctx: RankContext, where: str, at: int) -> tuple[str, float, bool]:
     from replicheck import fingerprint as fp
     from replicheck.guard import PeerFailed
 
-    model = DistributedDataParallel(_mlp(2))
+    model = DistributedDataParallel(_mlp(2), find_unused_parameters=find_unused)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     armed = {"on": False, "passes": 0}
     two = where in ("first_of_two", "split_probe", "split_rest")

@@ -8,6 +8,7 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from replicheck.guard.checks.health import GradStats
@@ -76,9 +77,17 @@ class DataParallel(Parallelism):
             raise
 
     def join_failed_backward(self) -> None:
-        """Every bucket's all-reduce, with zeros, in DDP's order (the step is discarded anyway)."""
-        if self._hooked:
-            finish_reductions(self.ddp, 0)
+        """What the peers' synchronising backward runs, with zeros, in DDP's order (the step is
+        discarded anyway): every bucket's all-reduce, then, with ``find_unused_parameters``, the
+        all-reduce of which parameters were used — the order in which torch's reducer issues
+        them (``tests/distributed/test_failure_flags.py`` pins it: a mismatch is a hang)."""
+        if not self._hooked:
+            return
+        finish_reductions(self.ddp, 0)
+        if getattr(self.ddp, "find_unused_parameters", False):
+            used = [p for p in self.ddp.module.parameters() if p.requires_grad]
+            unused = torch.zeros(len(used), dtype=torch.int32, device=module_device(self.ddp.module))
+            dist.all_reduce(unused, group=self.ddp.process_group)
 
     def forwards(self) -> int:
         return self._forwards.count
