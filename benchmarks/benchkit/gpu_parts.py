@@ -85,30 +85,27 @@ def _incident(exc: CorruptionDetected) -> dict[str, Any]:
 class PairRecorder:
     """Each verification's largest pair distance and the tolerant threshold it was judged by.
 
-    Wraps two methods of the guard's judge on this instance only; ``available`` is False when
-    the guard no longer has them (the part then reports the distances as not observable).
+    Wraps the judge's replay finding on this instance only (reading the rows' pair distances as
+    a column, and the threshold from ``Guard.threshold``); ``available`` is False when the guard
+    no longer has it (the part then reports the distances as not observable).
     """
 
     def __init__(self, guard: Guard) -> None:
         self.rows: list[dict[str, float | None]] = []
         judge = getattr(guard, "_judge", None)
-        self.available = all(hasattr(judge, n) for n in ("_threshold", "_replay_finding"))
+        self.available = hasattr(judge, "_replay_finding") and hasattr(guard, "threshold")
         if not self.available:
             return
-        threshold_fn, finding_fn = judge._threshold, judge._replay_finding  # type: ignore[union-attr]
-        last: dict[str, float] = {}
-
-        def threshold(rows: Any) -> float:
-            last["threshold"] = float(threshold_fn(rows))
-            return last["threshold"]
+        finding_fn = judge._replay_finding  # type: ignore[union-attr]
 
         def replay_finding(rows: Any, view: Any, replay: Any) -> Any:
             found = finding_fn(rows, view, replay)
-            dist = max(float(r.pair_distance) for r in rows)
-            self.rows.append({"max_distance": dist, "threshold": last.get("threshold")})
+            distances = (
+                rows.column("pair_distance") if hasattr(rows, "column") else [r.pair_distance for r in rows]
+            )
+            self.rows.append({"max_distance": max(distances), "threshold": guard.threshold})
             return found
 
-        judge._threshold = threshold  # type: ignore[union-attr]
         judge._replay_finding = replay_finding  # type: ignore[union-attr]
 
 
