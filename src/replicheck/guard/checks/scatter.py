@@ -4,15 +4,17 @@ Under plain FSDP2 one rank alone holds each reduced gradient shard, so no replic
 it. A sketch is linear (the sketch of a sum is the sum of the sketches), which gives a check
 that needs no second copy of the shard: before the reduce-scatter every rank sketches each
 destination chunk of its input, per block of ``block`` values (``k`` signed sums and the block's
-L1 norm); one more reduce-scatter per step, of all the step's sketches together (``(k + 1) / block`` of the gradient's
-values: 1.2 % with the defaults), hands each rank the sketch its shard must have. The rank then sketches the collective's
-output (*raw*) and its shard after the reduced-gradient hooks ran (*final*, what the optimizer
-will read) and compares both with the expected sketch. Summation order differs between the two
-sides, so the comparison allows the rounding of the reduction and of the sketches, bounded from
-the blocks' L1 norms and the dtypes' epsilons (float32 sketches of float32 gradients: a change of
-one value by more than ~6 % of its block's mean magnitude is seen; a flipped exponent or high
-mantissa bit is, a flip of the last mantissa bits is not, as no tolerance can tell it from
-rounding). A bfloat16 reduction rounds far more, and the bound grows with it.
+sum of squares), all chunks in one matrix product (no loop over the world); one more
+reduce-scatter per step, of all the step's sketches together (``(k + 1) / block`` of the
+gradient's values: 1.2 % with the defaults), hands each rank the sketch its shard must have. The
+rank then sketches the collective's output (*raw*) and its shard after the reduced-gradient hooks
+ran (*final*, what the optimizer will read) and compares both with the expected sketch.
+Summation order differs between the two sides, so the comparison allows their rounding: a
+statistical bound (8 standard deviations of the rounding errors, random ones growing like the
+square root of the world size and ones that share a sign, linearly), sized from each block's sums
+of squares (``docs/sharded.md`` derives it). At 8 ranks a single value changed by ~2e-4 of its
+block's mean magnitude is seen with a float32 reduction, by ~5× it with a bfloat16 one; a flip
+of the last mantissa bits is not, as no tolerance can tell it from rounding.
 
 A rank's verdict for the step (the worst over its reduce-scatters):
 
@@ -36,18 +38,22 @@ from replicheck.guard.attribution.verdict import Evidence, Finding
 
 OK, AFTER, COLLECTIVE = 0, 1, 2
 _NAMES = {OK: "ok", AFTER: "changed after the reduce-scatter", COLLECTIVE: "reduce-scatter output wrong"}
-_SAFETY = 4.0
-"""Margin over the rounding bound (itself a worst case: errors rarely all share a sign)."""
+_Z = 8.0
+"""Standard deviations of the rounding model a difference may reach before it is a fault. The
+variance is itself an upper bound (each rounding error taken at its largest, ``u`` times its
+partial sum), so the margin is wider than 8 true standard deviations."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class _Call:
-    local: torch.Tensor
-    """``(world, blocks, k + 1)``: this rank's sketches of each destination chunk, and L1 norms."""
     raw: torch.Tensor
-    """``(blocks, k)``: the sketch of the collective's output on this rank."""
-    rel_eps: float
-    """Rounding bound per unit of L1 norm."""
+    """``(blocks, k + 1)``: the sketch of the collective's output on this rank, and each
+    block's sum of squares."""
+    coef: float
+    """Rounding variance per unit of a block's sum of squares (see :func:`_variance_coef`)."""
+    world: int
+    floor: float
+    """Absolute allowance for underflow (each rounding near zero may lose one smallest normal)."""
     group: dist.ProcessGroup
 
 
@@ -61,18 +67,28 @@ class ScatterCheck:
 
     def __init__(self, *, k: int = 2, block: int = 256, seed: int = 0x5CA7) -> None:
         self.k, self.block, self.seed = k, block, seed
+        self._signs: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
         self.reset()
 
     def reset(self) -> None:
         """Start a step."""
         self._calls: list[_Call] = []
+        self._locals: list[torch.Tensor] = []
         self._finals: list[torch.Tensor] = []
         self._status: torch.Tensor | int | None = None
+        self._ratio: torch.Tensor | None = None
 
     @property
     def calls(self) -> int:
         """Reduce-scatters checked this step."""
         return len(self._calls)
+
+    @property
+    def noise_ratio(self) -> torch.Tensor | None:
+        """Diagnostics: after :meth:`status`, the step's largest ``|difference| / allowance``
+        over every block whose expected sketch is finite (a 0-dim device tensor; above 1 is an
+        alarm); ``None`` before."""
+        return self._ratio
 
     def reduce(
         self,
@@ -84,22 +100,27 @@ class ScatterCheck:
         """Reduce-scatter ``buffer`` into ``output`` (a sum or a mean, as FSDP asks), sketching
         both sides; the shard's final sketch is taken by :meth:`after_hooks`."""
         world = dist.get_world_size(group)
-        local = self._rows(buffer.view(world, -1), with_l1=True)  # (world, blocks, k + 1)
+        local = self._sketch(buffer.view(world, -1), squares=True)  # (world, blocks, k + 1)
         if _is_avg(op):
-            local /= world
+            local[..., : self.k] /= world
+            local[..., self.k :] /= world * world
         dist.reduce_scatter_single(output, buffer, op=op, group=group)
-        compute = _compute_dtype(buffer.dtype)
-        # Worst-case rounding per unit of L1 norm: the reduction (in the buffer's dtype), both
-        # sides' sketches and the sum of the ranks' sketches (in ``compute``).
-        eps = torch.finfo(compute).eps
-        rel = (world - 1) * torch.finfo(buffer.dtype).eps + (2 * self.block + world - 1) * eps
-        raw = self._rows(output.view(1, -1), with_l1=False)[0]
-        self._calls.append(_Call(local=local, raw=raw, rel_eps=_SAFETY * rel, group=group))
+        raw = self._sketch(output.view(1, -1), squares=True)[0]
+        self._locals.append(local)
+        self._calls.append(
+            _Call(
+                raw=raw,
+                coef=_variance_coef(buffer.dtype, world, self.block),
+                world=world,
+                floor=self.block * (world + 2) * float(torch.finfo(buffer.dtype).smallest_normal),
+                group=group,
+            )
+        )
 
     def after_hooks(self, shard: torch.Tensor) -> None:
         """The shard after the reduced-gradient hooks ran (what the optimizer will read)."""
         if len(self._finals) < len(self._calls):
-            self._finals.append(self._rows(shard.view(1, -1), with_l1=False)[0])
+            self._finals.append(self._sketch(shard.view(1, -1), squares=False)[0])
 
     def status(self) -> torch.Tensor | int:
         """Collective when any reduce-scatter ran: this rank's verdict for the step (a 0-dim
@@ -109,55 +130,141 @@ class ScatterCheck:
         return self._status
 
     def _judge(self) -> torch.Tensor:
-        calls, group = self._calls, self._calls[0].group
-        dtype = torch.float64 if any(c.local.dtype == torch.float64 for c in calls) else torch.float32
-        local = torch.cat([c.local.to(dtype) for c in calls], dim=1)
+        calls, group, k = self._calls, self._calls[0].group, self.k
+        dtype = torch.float64 if any(x.dtype == torch.float64 for x in self._locals) else torch.float32
+        local = torch.cat([x.to(dtype) for x in self._locals], dim=1)
+        self._locals.clear()  # the step's only sketches of whole gradients: freed once packed
         expected = torch.empty_like(local[0])
         # One reduce-scatter for the whole step, flat on both sides (gloo checks the first dim).
         dist.reduce_scatter_single(expected.view(-1), local.reshape(-1), op=dist.ReduceOp.SUM, group=group)
+        del local
         raw = torch.cat([c.raw.to(dtype) for c in calls])
-        finals = [f.to(dtype) for f in self._finals] + [c.raw.to(dtype) for c in calls[len(self._finals) :]]
+        finals = [f.to(dtype) for f in self._finals] + [
+            c.raw[:, :k].to(dtype) for c in calls[len(self._finals) :]
+        ]
         final = torch.cat(finals)
-        rel = torch.cat(
-            [torch.full((c.raw.shape[0], 1), c.rel_eps, dtype=dtype, device=raw.device) for c in calls]
-        )
-        want, l1 = expected[:, : self.k], expected[:, self.k :]
-        bound = l1 * rel + torch.finfo(dtype).tiny
-        raw_bad = ((raw - want).abs() > bound).any() | ~torch.isfinite(raw).all()
-        final_bad = ((final - want).abs() > bound).any() | ~torch.isfinite(final).all()
-        # Only bad when the expected sketch itself is finite: a non-finite input is the gradient
-        # health check's finding (named on the rank that produced it), not the reduction's.
-        sane = torch.isfinite(expected).all()
-        status: torch.Tensor = torch.where(raw_bad, COLLECTIVE, torch.where(final_bad, AFTER, OK)) * sane
+        self._finals.clear()
+        # Each call's constants on every one of its rows, from one small host tensor (a fixed
+        # number of operations however many calls and ranks).
+        device = raw.device
+        params = torch.tensor([[c.coef, c.world, c.floor] for c in calls], dtype=dtype).to(device)
+        rows = torch.tensor([c.raw.shape[0] for c in calls]).to(device)
+        params = params.repeat_interleave(rows, dim=0, output_size=raw.shape[0])
+        coef, world, floor = params.unbind(1)
+        want = expected[:, :k]
+        bound = _allowance(coef, world, floor, expected[:, k], raw[:, k])
+        # Only blocks whose expected sketch is finite are judged: a non-finite input is the
+        # gradient health check's finding (named on the rank that produced it), not the reduction's.
+        sane = torch.isfinite(expected).all(dim=1)
+        raw_diff = (raw[:, :k] - want).abs().amax(dim=1)
+        final_diff = (final - want).abs().amax(dim=1)
+        raw_bad = ((raw_diff > bound) | ~torch.isfinite(raw[:, :k]).all(dim=1)) & sane
+        final_bad = ((final_diff > bound) | ~torch.isfinite(final).all(dim=1)) & sane
+        ratio = torch.maximum(raw_diff, final_diff) / bound
+        self._ratio = torch.where(sane, ratio, 0).amax() if ratio.numel() else ratio.new_zeros(())
+        status = torch.where(raw_bad.any(), COLLECTIVE, torch.where(final_bad.any(), AFTER, OK))
         return status.to(torch.int64)
 
-    def _rows(self, chunks: torch.Tensor, *, with_l1: bool) -> torch.Tensor:
-        """``(chunks, blocks, k [+ 1])`` in the compute dtype: each block's signed sums [and its
-        L1 norm]. Each chunk is contiguous: its whole blocks are a view, read once by the matrix
-        product and once by the norm (no padded copy); a shorter last block uses the first rows
-        of the same signs, on both sides of the comparison alike."""
-        compute = _compute_dtype(chunks.dtype)
-        x = chunks if chunks.dtype == compute else chunks.to(compute)
-        n = x.shape[1]
-        m, tail = divmod(n, self.block)
-        signs = fp.sign_matrix(self.block, self.k, self.seed, x.device, compute)
-        out = []
-        for c in x:
-            parts = []
-            if m:
-                body = c[: m * self.block].view(m, self.block)
-                cols = [body @ signs]
-                if with_l1:
-                    cols.append(body.abs().sum(dim=1, keepdim=True))  # faster than vector_norm(ord=1) on CPU
-                parts.append(torch.cat(cols, dim=1))
-            if tail or not n:
-                rest = c[m * self.block :]
-                cols = [(rest @ signs[:tail]).view(1, self.k)]
-                if with_l1:
-                    cols.append(rest.abs().sum().view(1, 1))
-                parts.append(torch.cat(cols, dim=1))
-            out.append(torch.cat(parts))
-        return torch.stack(out)
+    def _sketch(self, chunks: torch.Tensor, *, squares: bool) -> torch.Tensor:
+        """``(chunks, blocks, k [+ 1])`` in the compute dtype: each block's ``k`` signed sums
+        [and its sum of squares], for every chunk at once (see :func:`sketch_chunks`)."""
+        dtype = chunks.dtype if chunks.dtype in _NATIVE else torch.float32
+        key = (chunks.device, dtype)
+        signs = self._signs.get(key)
+        if signs is None:
+            signs = fp.sign_matrix(self.block, self.k, self.seed, chunks.device, dtype)
+            self._signs[key] = signs
+        return sketch_chunks(chunks, signs, squares=squares)
+
+
+_NATIVE = (torch.float32, torch.float64, torch.bfloat16)
+"""Dtypes sketched as they are; others (float16, whose sums and norms overflow at 65,504) are
+converted to float32 first."""
+
+
+def sketch_chunks(chunks: torch.Tensor, signs: torch.Tensor, *, squares: bool) -> torch.Tensor:
+    """``(c, blocks, k [+ 1])``: the ``k`` signed sums (``signs``: ``block × k`` ±1) of every
+    block of ``block`` values of each of the ``c`` rows of ``chunks`` [and each block's sum of
+    squares], in float32 (float64 for a float64 input).
+
+    The whole blocks of every row are one ``(c, m, block)`` view of the buffer, projected by one
+    matrix product; the rows' shorter last blocks (``n mod block`` values, projected by the first
+    rows of the same signs) are one more. So the number of operations does not depend on ``c``
+    (the world size), and nothing of the buffer's size is copied for float32, float64 or
+    bfloat16: a bfloat16 product is taken in bfloat16 (each output rounded once to bfloat16, an
+    error the allowance counts; the accumulation is in float32 in torch's kernels), and on CUDA
+    with a float32 result directly (``out_dtype``). A ragged bfloat16 view may still be packed by
+    torch's CPU kernel, in bfloat16."""
+    compute = torch.float64 if chunks.dtype == torch.float64 else torch.float32
+    x = chunks if chunks.dtype in _NATIVE else chunks.to(compute)
+    c, n = x.shape
+    block = signs.shape[0]
+    m, tail = divmod(n, block)
+    parts = []
+    if m:
+        parts.append(_columns(x[:, : m * block].view(c, m, block), signs, compute, squares))
+    if tail or not n:
+        parts.append(_columns(x[:, m * block :].unsqueeze(1), signs[:tail], compute, squares))
+    return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+
+
+def _columns(x: torch.Tensor, signs: torch.Tensor, compute: torch.dtype, squares: bool) -> torch.Tensor:
+    """``(c, rows, k [+ 1])`` of a ``(c, rows, width)`` view."""
+    sums = _project(x, signs, compute)
+    if not squares:
+        return sums
+    # The sum of squares only sizes the allowance: a norm rounded to bfloat16 is plenty, and
+    # takes no float32 copy of the view.
+    sq = torch.linalg.vector_norm(x, dim=-1, keepdim=True).to(compute).square()
+    return torch.cat([sums, sq], dim=-1)
+
+
+_NO_OUT_DTYPE: set[torch.device] = set()
+"""Devices where ``bmm(..., out_dtype=)`` was refused (then the product's result is rounded to
+bfloat16, which the allowance counts anyway)."""
+
+
+def _project(x: torch.Tensor, signs: torch.Tensor, compute: torch.dtype) -> torch.Tensor:
+    if x.dtype != compute and x.is_cuda and x.device not in _NO_OUT_DTYPE:
+        # A bfloat16 product with a float32 result (cuBLAS accumulates in float32), batched over
+        # the chunks with the signs broadcast (stride 0): no copy of the view. Not verified on a
+        # GPU yet: a refusal (an older torch, a layout cuBLAS does not take) falls back.
+        try:
+            return torch.bmm(x, signs.expand(x.shape[0], *signs.shape), out_dtype=compute)
+        except (RuntimeError, TypeError):
+            _NO_OUT_DTYPE.add(x.device)
+    out = x @ signs
+    return out if out.dtype == compute else out.to(compute)
+
+
+def _allowance(
+    coef: torch.Tensor | float,
+    world: torch.Tensor | int,
+    floor: torch.Tensor | float,
+    q: torch.Tensor,
+    y2: torch.Tensor,
+) -> torch.Tensor:
+    """The largest rounding difference allowed per block, from the ranks' summed sums of squares
+    ``q`` and the output's ``y2``; ``coef`` from :func:`_variance_coef`, ``floor`` for underflow."""
+    # The output's own sum of squares, capped by what the inputs allow (y² <= world·Σ x²): a
+    # corrupted output cannot widen its own allowance past the inputs'.
+    var = coef * (torch.minimum(y2, world * q) + q)
+    return _Z * var.sqrt() + floor + torch.finfo(q.dtype).tiny
+
+
+def _variance_coef(dtype: torch.dtype, world: int, block: int) -> float:
+    """Rounding variance of (the sketch of the output) − (the sum of the ranks' sketches), per
+    unit of ``Y + Q`` (``Y``: the output block's sum of squares, ``Q``: the ranks' summed sums of
+    squares), as ``docs/sharded.md`` derives it: the reduction's ``world − 1`` roundings in the
+    buffer's dtype (and a mean's division) as independent errors, plus the part of them that can
+    share a sign (a value common to the ranks lost under a larger partial sum on every addition:
+    linear in ``world``), the sketches' one rounding to a bfloat16 product, and the sketches'
+    ``block``-term products and their ``world``-term sum in the compute dtype."""
+    compute = torch.float64 if dtype == torch.float64 else torch.float32
+    u = torch.finfo(dtype).eps / 2
+    u_out = u if dtype not in (torch.float32, torch.float64) else 0.0
+    u_c = torch.finfo(compute).eps / 2
+    return u * u * (world + 1 + world * world / 4) + u_out * u_out + u_c * u_c * (block + world + 2)
 
 
 def supported(op: object) -> bool:
@@ -185,10 +292,6 @@ def finding(statuses: list[int]) -> Finding | None:
         "here, so it is classified transient"
     )
     return Finding(check="reduced_gradients", suspects=after, classification="transient", evidence=evidence)
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _is_avg(op: object) -> bool:
