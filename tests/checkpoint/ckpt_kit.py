@@ -62,6 +62,12 @@ class FakeGuard:
         if self.fail is not None:
             raise self.fail
 
+    def state_dict(self) -> dict[str, Any]:
+        return {"format": "fake", "last_verified_step": self.last_verified_step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.last_verified_step = state["last_verified_step"]
+
 
 def run_schedule(
     store: CheckpointStore,

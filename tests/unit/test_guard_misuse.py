@@ -64,3 +64,13 @@ def test_sync_batchnorm_is_refused_with_what_to_use() -> None:
     model = nn.Sequential(nn.Linear(3, 4), nn.SyncBatchNorm(4), nn.Linear(4, 1))
     with pytest.raises(GuardConfigError, match="SyncBatchNorm.*BatchNorm"):
         Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), _loss, node="solo")
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("inf"), float("nan"), True, "1"])
+def test_max_grad_norm_must_be_positive_and_finite(bad: object) -> None:
+    """GuardConfig(max_grad_norm=...) refuses zero, negatives, infinities, NaN and non-numbers."""
+    from replicheck.guard import GuardConfig, GuardConfigError
+
+    with pytest.raises(GuardConfigError, match="max_grad_norm"):
+        GuardConfig(max_grad_norm=bad)  # type: ignore[arg-type]
+    assert GuardConfig(max_grad_norm=0.5).max_grad_norm == 0.5

@@ -91,7 +91,10 @@ def read_verified(
     if manifest.sharded:
         sharded.check_world(ckpt.path, manifest, Comm())
         check_payload(ckpt.path, manifest)
-        return manifest, {"extra": sharded.read_extra(ckpt.path)}
+        return manifest, {
+            "extra": sharded.read_extra(ckpt.path),
+            "guard": sharded.read_extra(ckpt.path, sharded.GUARD_NAME),
+        }
     payload_path = check_payload(ckpt.path, manifest)
     try:
         payload = torch.load(payload_path, map_location="cpu", weights_only=True)

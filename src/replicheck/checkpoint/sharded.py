@@ -27,11 +27,14 @@ from replicheck.guard.transport.comm import Comm
 DCP_DIR = "state.dcp"
 """The DCP directory (the manifest's ``payload``)."""
 EXTRA_NAME = "extra.pt"
+GUARD_NAME = "guard.pt"
+"""The guard's own state (``Guard.state_dict()``) saved with a sharded checkpoint."""
 """The caller's ``extra``, saved by the writer next to the shards (covered by the tree hash)."""
 
 __all__ = [
     "DCP_DIR",
     "EXTRA_NAME",
+    "GUARD_NAME",
     "check_world",
     "digests",
     "is_sharded",
@@ -134,15 +137,16 @@ def verify(path: Path, manifest: Manifest) -> None:
         raise CheckpointCorrupt("shard files' SHA-256 does not match the manifest (bytes changed on disk)")
 
 
-def read_extra(path: Path) -> Any:
-    """The caller's ``extra`` saved with a sharded checkpoint (``None`` when there was none)."""
-    file = path / EXTRA_NAME
+def read_extra(path: Path, name: str = EXTRA_NAME) -> Any:
+    """The caller's ``extra`` (or with ``name=GUARD_NAME`` the guard's state) saved with a
+    sharded checkpoint (``None`` when there was none)."""
+    file = path / name
     if not file.exists():
         return None
     try:
         return torch.load(file, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any unpickling failure means a bad file
-        raise CheckpointCorrupt(f"{EXTRA_NAME} does not load: {type(exc).__name__}") from None
+        raise CheckpointCorrupt(f"{name} does not load: {type(exc).__name__}") from None
 
 
 def restore(

@@ -74,6 +74,9 @@ class Loaded:
     """The ``extra`` object given to :meth:`CheckpointStore.save`."""
     refused: tuple[str, ...] = ()
     """Why each newer candidate was refused, one message per checkpoint."""
+    guard_state: dict[str, Any] | None = None
+    """The guard's state saved with it (``Guard.state_dict()``), or ``None`` when saved without
+    a guard."""
 
 
 @dataclass(frozen=True)
@@ -203,7 +206,10 @@ class CheckpointStore:
         """Collective: checkpoint the state after step ``step``'s update.
 
         With ``guard``, first runs ``guard.check_replicas()`` (collective; raises
-        ``CorruptionDetected`` and writes nothing when replicas disagree). Rank 0 writes atomically
+        ``CorruptionDetected`` and writes nothing when replicas disagree), and stores
+        ``guard.state_dict()`` with the checkpoint (:meth:`load` with ``guard=`` restores it, so
+        the resumed guard continues the step count, the verification schedule and tolerant
+        mode's calibration). Rank 0 writes atomically
         and applies retention; a write failure is raised on every rank as
         :class:`CheckpointWriteError`. Returns the committed checkpoint on every rank.
         """
@@ -215,6 +221,7 @@ class CheckpointStore:
         if guard is not None:
             guard.check_replicas()
             checked = comm.world_size > 1
+        guard_state = guard.state_dict() if guard is not None else None
         lineage = _Lineage(
             last_verified_step=self._lineage_verified(
                 guard.last_verified_step if guard is not None else None
@@ -227,9 +234,9 @@ class CheckpointStore:
             staged, digests = sharded.stage(
                 self.directory / _dir_name(step), self.writer_rank, step, model, optimizer, comm
             )
-            write = functools.partial(self._commit_shards, step, staged, extra, lineage, digests)
+            write = functools.partial(self._commit_shards, step, staged, extra, lineage, digests, guard_state)
         else:
-            write = functools.partial(self._write, step, model, optimizer, extra, lineage)
+            write = functools.partial(self._write, step, model, optimizer, extra, lineage, guard_state)
         outcome: tuple[bool, Any] | None = None
         if comm.rank == self.writer_rank:
             try:
@@ -251,13 +258,22 @@ class CheckpointStore:
         return Checkpoint(step=step, path=self.directory / _dir_name(step), manifest=manifest)
 
     def _commit_shards(
-        self, step: int, staged: Path, extra: Any, lineage: _Lineage, digests: tuple[str, str, int]
+        self,
+        step: int,
+        staged: Path,
+        extra: Any,
+        lineage: _Lineage,
+        digests: tuple[str, str, int],
+        guard_state: dict[str, Any] | None = None,
     ) -> Manifest:
-        """The writer's part of a sharded save: ``extra``, the manifest, the atomic commit."""
+        """The writer's part of a sharded save: ``extra``, the guard's state, the manifest, the
+        atomic commit."""
 
         def manifest() -> Manifest:
             if extra is not None:
                 atomic.write_file(staged / sharded.EXTRA_NAME, lambda fh: torch.save(extra, fh))
+            if guard_state is not None:
+                atomic.write_file(staged / sharded.GUARD_NAME, lambda fh: torch.save(guard_state, fh))
             weights, opt, count = digests
             return sharded.manifest_for(
                 staged,
@@ -286,6 +302,7 @@ class CheckpointStore:
         optimizer: torch.optim.Optimizer,
         extra: Any,
         lineage: _Lineage,
+        guard_state: dict[str, Any] | None = None,
     ) -> Manifest:
         self.directory.mkdir(parents=True, exist_ok=True)
         atomic.clean_leftovers(self.directory)
@@ -298,6 +315,7 @@ class CheckpointStore:
             "model": bare.state_dict(),
             "optimizer": opt_state,
             "extra": extra,
+            "guard": guard_state,
         }
         staged = atomic.staging_dir(self.directory, _dir_name(step))
 
@@ -461,6 +479,7 @@ class CheckpointStore:
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer | None = None,
         *,
+        guard: Guard | None = None,
         retire_newer: bool = True,
     ) -> int:
         """Verify and restore ``ckpt`` into ``model`` (and ``optimizer``); return the step restored.
@@ -470,7 +489,10 @@ class CheckpointStore:
         the reason, and the next older valid one is used: the returned step is then smaller than
         ``ckpt.step``. Nothing is restored until a checkpoint passes every check; the restored
         weights are fingerprinted again. With ``retire_newer``, rank 0 moves checkpoints newer
-        than the restored one (an abandoned timeline) into ``superseded/``.
+        than the restored one (an abandoned timeline) into ``superseded/``. With ``guard`` (built
+        over the same model and optimizer, before its first step), the guard's state saved with
+        the checkpoint is restored into it (``Guard.load_state_dict``; a checkpoint saved without
+        a guard warns and leaves the guard as it is: pass ``GuardConfig(start_step=step + 1)``).
         Raises :class:`NoValidCheckpoint` when every candidate is refused,
         :class:`CheckpointMismatch` when a valid checkpoint does not fit the model or optimizer.
         """
@@ -508,7 +530,23 @@ class CheckpointStore:
             manifest, payload = read
             restore(cand, manifest, payload, model, optimizer)
             chosen = dataclasses.replace(cand, manifest=manifest)
-            self.loaded = Loaded(checkpoint=chosen, extra=payload.get("extra"), refused=tuple(refused))
+            guard_state = payload.get("guard")
+            if guard is not None:
+                if isinstance(guard_state, dict):
+                    guard.load_state_dict(guard_state)
+                else:
+                    warnings.warn(
+                        f"{cand.path} holds no guard state (saved without guard=): the guard is "
+                        f"left as it is; pass GuardConfig(start_step={chosen.step + 1})",
+                        CheckpointWarning,
+                        stacklevel=2,
+                    )
+            self.loaded = Loaded(
+                checkpoint=chosen,
+                extra=payload.get("extra"),
+                refused=tuple(refused),
+                guard_state=guard_state if isinstance(guard_state, dict) else None,
+            )
             if retire_newer and Comm().rank == self.writer_rank:
                 try:
                     self.retire_after(chosen.step)

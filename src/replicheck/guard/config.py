@@ -35,7 +35,10 @@ class GuardConfig:
     probe: ProbeMode = "auto"
     """``split``: the probe is part of the real batch (no extra compute for the source).
     ``extra``: the probe is computed in addition (needed for BatchNorm in train mode).
-    ``auto``: ``extra`` when the model has a BatchNorm layer in train mode, else ``split``.
+    ``auto``: ``extra`` when the model has a BatchNorm layer in train mode or its training forward
+    draws random numbers (dropout, ``F.dropout``, attention dropout: seen from the generators'
+    state changing during a forward, not from a list of module types), else ``split``: a split
+    probe runs seeded, so its samples would not get the dropout masks the plain loop draws.
     A split is used only where it is exact: ``loss_fn`` returns a :class:`~replicheck.guard.LossSum`,
     or ``loss_reduction`` declares what its plain loss is; otherwise the probe is ``extra``
     (with a warning when ``split`` was asked for)."""
@@ -51,6 +54,19 @@ class GuardConfig:
     division waits for the last forward, and every rank holds the whole model's unsharded
     gradient until the last backward (FSDP's memory saving lost for the step). A pass whose
     ``LossSum.count`` differs from it raises ``LossContractError``."""
+    global_item_count: bool = False
+    """With a ``LossSum``: normalise by the item count summed over every rank (one all-reduce of
+    the count per step), not by this rank's own. The step then trains on the global mean
+    ``sum(total) / sum(count)`` over every pass of every rank, as Hugging Face's
+    ``average_tokens_across_devices=True`` does (each rank's loss ``total · world_size / global
+    count``, which the gradient reduction's mean over ranks brings back to the global mean)."""
+    max_grad_norm: float | None = None
+    """Clip the reduced gradient as ``torch.nn.utils.clip_grad_norm_(params, max_grad_norm)``
+    does (the DTensor-aware total norm under FSDP2 and HSDP), after the step's checks, after the
+    loss scaler's ``unscale_`` and the gradient edits (:meth:`Guard.add_gradient_edit`), before
+    the optimizer step (and its pre-hooks); ``None``: off. ``StepResult.grad_norm`` is then the
+    total norm before clipping (one pass over the gradients and one host read per step, so it is
+    computed only when clipping is on)."""
     start_step: int = 0
     """Index of the first step this guard runs (a resumed job passes ``checkpoint step + 1``)."""
     resume_verified_step: int | None = None
@@ -177,6 +193,16 @@ class GuardConfig:
             raise GuardConfigError(f"tolerance_margin must be >= 1, got {self.tolerance_margin}")
         if self.grad_norm_bound is not None and not self.grad_norm_bound > 0:
             raise GuardConfigError("grad_norm_bound must be positive or None")
+        if self.max_grad_norm is not None and not (
+            isinstance(self.max_grad_norm, (int, float))
+            and not isinstance(self.max_grad_norm, bool)
+            and 0 < self.max_grad_norm < float("inf")
+        ):
+            raise GuardConfigError(
+                f"max_grad_norm must be a positive finite number or None, got {self.max_grad_norm!r}"
+            )
+        if not isinstance(self.global_item_count, bool):
+            raise GuardConfigError(f"global_item_count must be a bool, got {self.global_item_count!r}")
         if self.calibration_verifications < 0:
             raise GuardConfigError("calibration_verifications must be >= 0")
 

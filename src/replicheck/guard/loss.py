@@ -79,6 +79,12 @@ def step_counts(counts: Sequence[Count]) -> list[float]:
     return out
 
 
+def check_counts(counts: Sequence[float]) -> None:
+    """Refuse a negative or NaN item count (``LossContractError``)."""
+    for c in counts:
+        _check_count(c)
+
+
 def _check_count(count: float) -> None:
     if not count >= 0:
         raise LossContractError(f"LossSum.count must be >= 0, got {count}")

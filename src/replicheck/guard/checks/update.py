@@ -85,11 +85,19 @@ class UpdateReplay:
         self._optimizer, self._comm, self._ring = optimizer, comm, ring
         self._armed = False
         self._before: ShardState | None = None
-        self._handle = optimizer.register_step_pre_hook(self._pre)
+        self._handle: torch.utils.hooks.RemovableHandle | None = None
 
     def arm(self) -> None:
-        """Record the next optimizer step (it runs only when the scaler does not skip it)."""
+        """Record the next optimizer step (it runs only when the scaler does not skip it).
+
+        The recording pre-hook is registered here, anew, so it is the optimizer's last pre-hook:
+        a user's pre-hook (clipping, any edit of the gradient) registered after the guard runs
+        before the record is taken, and the replay starts from the gradient the step applies.
+        """
         self._armed, self._before = True, None
+        if self._handle is not None:
+            self._handle.remove()
+        self._handle = self._optimizer.register_step_pre_hook(self._pre)
 
     def _pre(self, optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
         if self._armed:

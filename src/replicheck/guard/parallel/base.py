@@ -192,6 +192,11 @@ class Parallelism(ABC):
         """Multiply this rank's gradient by ``scale`` in the next reductions (1.0: none)."""
         return None
 
+    def sync_off(self) -> str | None:
+        """What the job's own code left switched off that a guarded step needs on (gradient sync,
+        as DDP's ``no_sync()`` leaves it), in words; ``None`` when nothing is."""
+        return None
+
     def forwards(self) -> int:
         """Forwards of the model entered so far (a failed loss function may never call it);
         0 where no forward runs a collective."""

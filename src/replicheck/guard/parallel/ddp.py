@@ -65,6 +65,11 @@ class DataParallel(Parallelism):
     def accumulate(self, sync: bool) -> AbstractContextManager[Any]:
         return contextlib.nullcontext() if sync else self.ddp.no_sync()
 
+    def sync_off(self) -> str | None:
+        if not self.ddp.require_backward_grad_sync:
+            return "DDP's gradient sync is off (inside ddp.no_sync())"
+        return None
+
     @contextlib.contextmanager
     def failing_backward(self, synced: bool) -> Iterator[None]:
         """On the synchronising pass, the all-reduces DDP never launched are completed with zeros."""

@@ -193,6 +193,14 @@ class Sharded(Parallelism):
     def set_reduction_scale(self, scale: float) -> None:
         self.tap.pre_scale = scale
 
+    def sync_off(self) -> str | None:
+        for m in self.model.modules():
+            if isinstance(m, FSDPModule):
+                group = getattr(m._get_fsdp_state(), "_fsdp_param_group", None)
+                if group is not None and getattr(group, "reduce_grads", True) is False:
+                    return "FSDP2's gradient sync is off (set_requires_gradient_sync(False))"
+        return None
+
     def forwards(self) -> int:
         return self._forwards.count
 

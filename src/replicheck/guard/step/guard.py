@@ -23,12 +23,18 @@ from replicheck.guard.checks import replicas, scaling
 from replicheck.guard.checks.health import ReducedHook
 from replicheck.guard.config import GuardConfig
 from replicheck.guard.context import running
-from replicheck.guard.errors import BatchError, CorruptionDetected, GuardConfigError, PeerFailed
+from replicheck.guard.errors import (
+    BatchError,
+    CorruptionDetected,
+    GuardConfigError,
+    GuardMisuseError,
+    PeerFailed,
+)
 from replicheck.guard.loss import LossFn, unpack
 from replicheck.guard.modules import unwrap
 from replicheck.guard.parallel.base import Parallelism, detect
 from replicheck.guard.runtime import RuntimeInfo
-from replicheck.guard.step.apply import UpdateApplier
+from replicheck.guard.step.apply import GradientEdit, UpdateApplier
 from replicheck.guard.step.determinism import prepare_cublas
 from replicheck.guard.step.failure import StepFailure
 from replicheck.guard.step.judge import StepJudge
@@ -38,7 +44,7 @@ from replicheck.guard.step.replay import Fingerprinter, Recompute, buffers_resto
 from replicheck.guard.step.report import IncidentBuilder
 from replicheck.guard.step.rng import forked_rng
 from replicheck.guard.step.state import StateDigests
-from replicheck.guard.step.support import check_loss_fn, check_model, check_optimizer
+from replicheck.guard.step.support import check_loss_fn, check_model, check_optimizer, resolve_optimizer
 from replicheck.guard.step.verify import RowBuilder
 from replicheck.guard.tolerance import Tolerance
 from replicheck.guard.tolerance import code as precision_code
@@ -66,6 +72,10 @@ class StepResult:
     skipped: bool = False
     """True when the loss scaler overflowed and the step was skipped on every rank, as the scaler
     does: no update applied, the scale lowered (only with ``scaler=``)."""
+    grad_norm: float | None = None
+    """With ``GuardConfig.max_grad_norm``: the total norm of the reduced gradient before clipping
+    (what ``clip_grad_norm_`` returns; after a loss scaler's ``unscale_`` and the gradient edits),
+    the same on every rank. ``None`` without clipping, or when the step was skipped."""
 
 
 class Guard:
@@ -79,6 +89,11 @@ class Guard:
     parallel when no built-in kind claims the model (DDP, ``fully_shard``, one process). With
     world size 1 a verification re-executes the probe on the same device, which catches transient
     faults only.
+
+    ``optimizer`` is a ``torch.optim.Optimizer``, or a wrapper that holds one in ``.optimizer``
+    and delegates to it (Accelerate's ``AcceleratedOptimizer``): the guard then steps the wrapped
+    optimizer itself (a wrapper with a loss scaler of its own is refused: pass its ``.optimizer``
+    and ``scaler=``).
     """
 
     def __init__(
@@ -97,6 +112,7 @@ class Guard:
             raise GuardConfigError("config must be a GuardConfig")
         self._config = cfg
         check_loss_fn(loss_fn)
+        optimizer = resolve_optimizer(optimizer, scaler)
         check_optimizer(optimizer)
         self._optimizer, self._loss_fn = optimizer, loss_fn
         self._scaler = scaling.checked_scaler(scaler)
@@ -135,7 +151,12 @@ class Guard:
         if cfg.mode == "exact" and not cfg.use_deterministic:
             log.warning("exact mode without deterministic kernels: a replay may differ by kernel noise")
         self._apply = UpdateApplier(
-            optimizer, self._scaler, par.update_check(optimizer, self._ring, cfg), self._raise
+            optimizer,
+            self._scaler,
+            par.update_check(optimizer, self._ring, cfg),
+            self._raise,
+            params=self._params,
+            max_grad_norm=cfg.max_grad_norm,
         )
         self._passes = StepPasses(
             config=cfg,
@@ -172,6 +193,7 @@ class Guard:
             )
         self._next_step = cfg.start_step
         self._needs_rebuild = par.rebuilds_on_resume and cfg.start_step > 0 and cfg.rebuild_buckets_on_resume
+        self._stepped = False  # whether this guard has run a step (the fresh-start warning)
         self.last_verified_step: int | None = cfg.resume_verified_step
         """The newest step whose verification passed (a resumed job may set it from its checkpoint)."""
         self._reporter = IncidentBuilder(
@@ -266,6 +288,9 @@ class Guard:
         self._next_step = next_step
         self.last_verified_step = verified
         self._judge.calibration = calibration
+        if not self._stepped and next_step > 0:
+            # A resumed run settles DDP's bucket layout as start_step > 0 would (bit-exact resume).
+            self._needs_rebuild = self._par.rebuilds_on_resume and self._config.rebuild_buckets_on_resume
 
     def add_reduced_gradient_hook(self, hook: ReducedHook) -> Callable[[], None]:
         """Call ``hook(bucket_index, tensor)`` on each reduced gradient bucket; returns a remover."""
@@ -274,6 +299,28 @@ class Guard:
         def remove() -> None:
             if hook in self._health.reduced_hooks:
                 self._health.reduced_hooks.remove(hook)
+
+        return remove
+
+    def add_gradient_edit(self, edit: GradientEdit) -> Callable[[], None]:
+        """Run ``edit(params)`` on every rank on the reduced gradient of each step that passed its
+        checks, before clipping (``GuardConfig.max_grad_norm``) and the optimizer step, so the
+        update check (FSDP2's replay) sees the edited gradient; returns a remover.
+
+        ``params`` are the guard's trainable parameters (under FSDP2 their ``.grad`` are this
+        rank's DTensor shards); ``edit`` changes ``.grad`` in place, under ``torch.no_grad()``,
+        after a loss scaler's ``unscale_``. Edits run in the order they were added. Under FSDP2
+        an edit that reads the whole gradient (a norm) must use DTensor operations (collectives,
+        then run by every rank alike).
+        """
+        if not callable(edit):
+            raise GuardConfigError(f"a gradient edit must be callable, got {type(edit).__name__}")
+        edits = self._apply.edits
+        edits.append(edit)
+
+        def remove() -> None:
+            if edit in edits:
+                edits.remove(edit)
 
         return remove
 
@@ -298,8 +345,20 @@ class Guard:
         """Run one guarded optimizer step over one batch or several micro-batches."""
         if not microbatches:
             raise BatchError("step() needs at least one batch")
+        misuse = self._par.sync_off()
+        if misuse is not None:
+            # Local state the job's own code set alike on every rank: every rank refuses here,
+            # before any pass or collective.
+            raise GuardMisuseError(
+                f"guard.step() called while {misuse}: the guard runs gradient accumulation itself. "
+                "Pass the step's micro-batches to one call, guard.step(mb1, mb2, ...), outside "
+                "no_sync() / with gradient sync on."
+            )
         cfg = self._config
         s = self._next_step
+        if not self._stepped:
+            self._stepped = True
+            self._warn_fresh_start(s)
         sizes = [batch_size(mb) for mb in microbatches]
         verify = s % cfg.verify_every == 0
         check_replicas = self._par.replicated and cfg.weights_every > 0 and s % cfg.weights_every == 0
@@ -339,7 +398,8 @@ class Guard:
             return dataclasses.replace(result, verified=False, skipped=True)
         if findings:
             self._raise(s, findings)
-        self._apply.apply(s, verify)
+        grad_norm = self._apply.apply(s, verify)
+        result = dataclasses.replace(result, grad_norm=grad_norm) if grad_norm is not None else result
         if verify:
             self.last_verified_step = s
             log.info("step %d verified (replay) on rank %d", s, self.rank)
@@ -347,6 +407,19 @@ class Guard:
             log.info("step %d weights and optimizer state agree across %d ranks", s, self.world_size)
         self._next_step = s + 1
         return result
+
+    def _warn_fresh_start(self, s: int) -> None:
+        """Step 0 over an optimizer that already has state: a resumed run that forgot the
+        guard's state restarts its verification and replica schedule from step 0."""
+        if s == 0 and any(self._optimizer.state.values()):
+            warnings.warn(
+                "replicheck: the guard starts at step 0 but the optimizer already has state (a "
+                "resumed run?): the guard's verification and replica-check schedule restarts from "
+                "step 0. Restore the guard's own state with guard.load_state_dict(...) (saved by "
+                "CheckpointStore.save(guard=...)) or pass GuardConfig(start_step=checkpoint step + 1).",
+                UserWarning,
+                stacklevel=3,
+            )
 
     def _replayer(self, s: int) -> Replayer:
         return lambda payload: self._recompute.payload(payload, s)

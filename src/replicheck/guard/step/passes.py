@@ -12,12 +12,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from replicheck.guard.checks.health import GradStats
 from replicheck.guard.config import GuardConfig, ProbeMode
 from replicheck.guard.context import running
 from replicheck.guard.errors import GuardError, LossContractError
-from replicheck.guard.loss import Count, LossFn, step_counts, unpack
+from replicheck.guard.loss import Count, LossFn, check_counts, step_counts, unpack
 from replicheck.guard.parallel.base import Parallelism
 from replicheck.guard.step.failure import StepFailure
 from replicheck.guard.step.replay import (
@@ -28,9 +29,10 @@ from replicheck.guard.step.replay import (
     probe_seed,
     seeded,
 )
+from replicheck.guard.step.rng import drew_random, generator_states
 from replicheck.guard.transport.batch import split
 from replicheck.guard.transport.records import ProbePayload, ProbeResult
-from replicheck.guard.transport.transfer import host_result
+from replicheck.guard.transport.transfer import host_result, to_host
 
 
 @dataclass(frozen=True)
@@ -92,6 +94,9 @@ class StepPasses:
             m for m in parallelism.module.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
         ]
         self._loss_sum: bool | None = None  # whether loss_fn returns a LossSum; None: not seen yet
+        # Whether a training forward draws random numbers (dropout); None: not seen yet.
+        self._draws_random: bool | None = None
+        self._rng_devices = tuple(dict.fromkeys([parallelism.device, *(p.device for p in self._params)]))
         self._warned_split = False
         self._warned_held = False
 
@@ -127,19 +132,27 @@ class StepPasses:
         # pass is then reduced as it ends, already divided (no unreduced accumulation).
         known = self._known_items(mbs, parts) if self._loss_sum else None
         early = known is not None and len(mbs) > 1 and self._par.reduces_every_pass
+        glob = self._config.global_item_count
         if self._loss_sum and known is None and len(mbs) > 1 and self._par.reduces_every_pass:
             self._warn_held()
-        if early and known:
-            scale = 1.0 / known
-            self._par.set_reduction_scale(scale)
+        if early and known is not None:
+            if glob:
+                known = self._global_sum(torch.tensor(known, dtype=torch.float64))[1]
+            if known:
+                scale = self._normaliser(known)
+                self._par.set_reduction_scale(scale)
         for i, mb in enumerate(mbs):
             last = i == len(mbs) - 1
             with self._par.accumulate(sync=last), running(s, "train"):
                 run = functools.partial(self._checked_loss if early else self._loss_fn, self._model, mb)
+                if i == 0 and self._draws_random is None:
+                    run = functools.partial(self._watched, run)
                 got = self._fail.forward(run, "training pass")
                 if got is None:
                     # This rank failed: no backward of its own, but its part in the synchronising
                     # one's collectives (its peers learn of the failure from the step's row).
+                    if glob and last and not early:
+                        self._global_sum(torch.zeros((), dtype=torch.float64))
                     self._fail.join_backward(synced=last)
                     continue
                 loss, count = got
@@ -150,17 +163,29 @@ class StepPasses:
                 # before them, they accumulate unreduced and the last reduction divides
                 # (set_reduction_scale).
                 deferred = count is not None and len(mbs) > 1 and self._par.reduces_every_pass and not early
+                if glob and last and not early:
+                    # Every rank joins the count's all-reduce (a plain loss adds nothing and is
+                    # this rank's error), so no rank waits in it.
+                    counts = [c for _, _, c in parts if c is not None] + (
+                        [count] if count is not None else []
+                    )
+                    items = self._global_items(counts)
+                    if count is None:
+                        self._fail.note(
+                            LossContractError("GuardConfig(global_item_count=True) needs a LossSum loss")
+                        )
                 if count is not None and early:
                     w = 1.0
                 elif count is not None:
                     w = 1.0
                     if last:
-                        # Every pass's count read now, together (one transfer for tensor counts);
-                        # a bad one is this rank's error, reported in the step's flags.
-                        counts = [c for _, _, c in parts if c is not None] + [count]
-                        read = self._fail.attempt(functools.partial(step_counts, counts))
-                        items = 0.0 if read is None else sum(read[:-1]) + read[-1]
-                        scale = 1.0 / items if items > 0 else 1.0
+                        if not glob:
+                            # Every pass's count read now, together (one transfer for tensor
+                            # counts); a bad one is this rank's error, reported in the step's flags.
+                            counts = [c for _, _, c in parts if c is not None] + [count]
+                            read = self._fail.attempt(functools.partial(step_counts, counts))
+                            items = 0.0 if read is None else sum(read[:-1]) + read[-1]
+                        scale = self._normaliser(items)
                         if deferred:
                             self._par.set_reduction_scale(scale)
                         else:
@@ -186,6 +211,56 @@ class StepPasses:
         if self._health.errors:
             self._fail.note(self._health.errors[0])
         return Backward(loss=step_loss, passes=passes)
+
+    def _normaliser(self, items: float) -> float:
+        """What a ``LossSum`` step's gradient is multiplied by: 1 / its items, or with a global
+        count world size / the items of every rank (the reduction's mean over ranks then gives
+        the global mean)."""
+        if not items > 0:
+            return 1.0
+        if self._config.global_item_count:
+            return self._par.comm.world_size / items
+        return 1.0 / items
+
+    def _global_sum(self, local: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """Collective: ``local`` (a float64 scalar) summed over every rank, on the communication
+        device, and as a number."""
+        comm = self._par.comm
+        total = local.to(comm.device, torch.float64).reshape(1)
+        if comm.world_size > 1:
+            dist.all_reduce(total, group=comm.group)
+        return total, float(to_host(total, "global item count")[0])
+
+    def _global_items(self, counts: Sequence[Count]) -> float:
+        """Collective: the step's item count over every rank. Tensor counts stay on their device
+        until the sum over ranks is read: this rank's counts and the global sum reach the host
+        together, in one transfer. A bad count is this rank's error (it still joins, with 0)."""
+        comm = self._par.comm
+        tensors = [c for c in counts if isinstance(c, torch.Tensor)]
+        numbers = [float(c) for c in counts if not isinstance(c, torch.Tensor)]
+        stacked = (
+            torch.stack([t.to(comm.device, torch.float64).reshape(()) for t in tensors])
+            if tensors
+            else torch.zeros(0, dtype=torch.float64, device=comm.device)
+        )
+        local = (
+            stacked.sum() + sum(numbers) if self._fail.error is None else torch.zeros((), dtype=torch.float64)
+        )
+        total = local.to(comm.device, torch.float64).reshape(1)
+        if comm.world_size > 1:
+            dist.all_reduce(total, group=comm.group)
+        read = to_host(torch.cat([stacked, total]), "LossSum.count").tolist()
+        self._fail.attempt(functools.partial(check_counts, [*read[:-1], *numbers]))
+        return 0.0 if self._fail.error is not None else float(read[-1])
+
+    def _watched(self, run: Any) -> object:
+        """``run()``, noting whether it drew random numbers from the generators it may use."""
+        before = generator_states(self._rng_devices)
+        out = run()
+        self._draws_random = bool(self._draws_random) or drew_random(
+            before, generator_states(self._rng_devices)
+        )
+        return out
 
     def _known_items(
         self, mbs: Sequence[Any], parts: Sequence[tuple[float, torch.Tensor, Count | None]]
@@ -241,7 +316,11 @@ class StepPasses:
         cfg = self._config
         if not self._par.split_probe:
             return "extra"
-        if cfg.probe == "extra" or (cfg.probe == "auto" and any(m.training for m in self._batchnorms)):
+        if cfg.probe == "extra" or (
+            cfg.probe == "auto" and (self._draws_random or any(m.training for m in self._batchnorms))
+        ):
+            # A split probe runs seeded: with dropout its samples would not get the masks the
+            # plain loop draws, and the rest of the batch would draw from a shifted stream.
             return "extra"
         if self._loss_sum or cfg.loss_reduction != "unknown":
             return "split"
@@ -264,6 +343,7 @@ class StepPasses:
         # Replays multiply by the loss scale as a number (a power of two: exact), read once here.
         loss_scale = self._scaler.get_scale() if self._scaler is not None else 1.0
         split_probe = None
+        auto = cfg.probe == "auto"
         if self.probe_mode() == "split" and (size > p or more):
             with (
                 self._par.accumulate(sync=False),
@@ -271,23 +351,30 @@ class StepPasses:
                 seeded(seed, self._par.device),
                 deterministic(cfg.use_deterministic, cfg.probe_attention),
             ):
-                got = self._fail.forward(lambda: self._loss_fn(self._model, probe_batch), "probe")
-                if got is not None:
+                run = functools.partial(self._loss_fn, self._model, probe_batch)
+                got = self._fail.forward(functools.partial(self._watched, run) if auto else run, "probe")
+                abandoned = got is not None and auto and bool(self._draws_random)
+                if abandoned:
+                    # The forward drew random numbers (dropout): a split would change the update.
+                    # Its graph is dropped unused; the probe runs as an extra pass instead.
+                    got = None
+                elif got is not None:
                     loss, count = got
                     self._note_loss_kind(count)
                     weight = 1.0 if count is not None else weight
                     self._fail.backward(loss * (weight * loss_scale), synced=False)
-            if got is None:
+            if got is None and not abandoned:
                 # This rank failed: keep the step's shape (the same passes, so the same flags
                 # as its peers) until every rank stops after the passes.
                 result = ProbeResult(math.nan, torch.zeros(0))
                 loss, count = torch.zeros(()), None
-            else:
+            elif got is not None:
                 result = host_result(loss, self._fingerprinter([q.grad for q in self._params], seed))
-            split_probe = SplitProbe(
-                loss=loss.detach(), count=count, weight=weight, rest=rest if size > p else None
-            )
-        else:
+            if not abandoned:
+                split_probe = SplitProbe(
+                    loss=loss.detach(), count=count, weight=weight, rest=rest if size > p else None
+                )
+        if split_probe is None:
             # An error here stops every rank at the first training pass's forward.
             computed = self._fail.attempt(
                 lambda: self._recompute.probe(

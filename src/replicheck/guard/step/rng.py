@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -44,3 +44,18 @@ def forked_rng(devices: Iterable[torch.device]) -> Iterator[None]:
         for kind, indices in groups.items():
             stack.enter_context(torch.random.fork_rng(devices=indices, device_type=kind))
         yield
+
+
+def generator_states(devices: Iterable[torch.device]) -> list[torch.Tensor]:
+    """Host copies of the CPU generator's state and of every accelerator generator of ``devices``
+    (a device generator's state is its seed and offset, kept on the host: no device sync)."""
+    states = [torch.get_rng_state()]
+    for kind, indices in rng_devices(devices, _current_index).items():
+        module = getattr(torch, kind)
+        states.extend(module.get_rng_state(i) for i in indices)
+    return states
+
+
+def drew_random(before: Sequence[torch.Tensor], after: Sequence[torch.Tensor]) -> bool:
+    """Whether any generator moved between two :func:`generator_states` (random numbers drawn)."""
+    return len(before) != len(after) or any(not torch.equal(b, a) for b, a in zip(before, after))

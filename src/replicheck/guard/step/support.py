@@ -28,6 +28,31 @@ def check_model(module: torch.nn.Module) -> None:
         )
 
 
+def resolve_optimizer(optimizer: object, scaler: object = None) -> torch.optim.Optimizer:
+    """The torch optimizer the guard steps: ``optimizer`` itself, or the one a delegating wrapper
+    holds in ``.optimizer`` (Accelerate's ``AcceleratedOptimizer``, a trainer's wrapper), which
+    the guard then steps directly. A wrapper with a loss scaler of its own is refused: stepping
+    the inner optimizer would bypass that scaler."""
+    seen: list[object] = []
+    current = optimizer
+    while not isinstance(current, torch.optim.Optimizer):
+        inner = getattr(current, "optimizer", None)
+        if inner is None or len(seen) >= 4 or any(inner is s for s in seen):
+            raise GuardConfigError(
+                f"optimizer must be a torch.optim.Optimizer (or a wrapper holding one in "
+                f".optimizer), got {type(optimizer).__name__}"
+            )
+        own = getattr(current, "scaler", None)
+        if own is not None and own is not scaler:
+            raise GuardConfigError(
+                f"{type(current).__name__} steps through a loss scaler of its own, which the guard "
+                "would bypass: pass its .optimizer and the scaler as Guard(..., scaler=...)"
+            )
+        seen.append(current)
+        current = inner
+    return current
+
+
 def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
     """Refuse optimizers whose state is not replicated, so comparing it across ranks means nothing."""
     try:
