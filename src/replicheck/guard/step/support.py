@@ -35,13 +35,12 @@ def resolve_optimizer(optimizer: object, scaler: object = None) -> torch.optim.O
     the inner optimizer would bypass that scaler."""
     seen: list[object] = []
     current = optimizer
-    while not isinstance(current, torch.optim.Optimizer):
-        inner = getattr(current, "optimizer", None)
-        if inner is None or len(seen) >= 4 or any(inner is s for s in seen):
-            raise GuardConfigError(
-                f"optimizer must be a torch.optim.Optimizer (or a wrapper holding one in "
-                f".optimizer), got {type(optimizer).__name__}"
-            )
+    # A wrapper may itself subclass torch.optim.Optimizer without being one in substance
+    # (Accelerate's AcceleratedOptimizer never runs Optimizer.__init__): descend while there is
+    # an inner optimizer, whatever the wrapper's class.
+    while (inner := getattr(current, "optimizer", None)) is not None:
+        if len(seen) >= 4 or any(inner is s for s in seen):
+            break
         own = getattr(current, "scaler", None)
         if own is not None and own is not scaler:
             raise GuardConfigError(
@@ -50,6 +49,11 @@ def resolve_optimizer(optimizer: object, scaler: object = None) -> torch.optim.O
             )
         seen.append(current)
         current = inner
+    if not isinstance(current, torch.optim.Optimizer) or inner is not None:
+        raise GuardConfigError(
+            f"optimizer must be a torch.optim.Optimizer (or a wrapper holding one in "
+            f".optimizer), got {type(optimizer).__name__}"
+        )
     return current
 
 
