@@ -104,13 +104,55 @@ def _equality_job(ctx: RankContext, poison: bool, parallel: str) -> dict[str, An
         float((_whole(a) - _whole(b)).norm() / _whole(b).norm())
         for a, b in zip(guarded.parameters(), plain.parameters(), strict=True)
     ]
+    clipped = _clipped_with_scaler(ctx, poison) if parallel == "ddp" else None
     return {
+        "clipped": clipped,
         "diff": max(diffs),
         "scales": scales,
         "plain_scales": plain_scales,
         "skipped": skipped,
         "plain_skipped": plain_skipped,
     }
+
+
+CLIP = 0.05
+
+
+def _clipped_with_scaler(ctx: RankContext, poison: bool) -> dict[str, Any]:
+    """The plain AMP loop's order (scale, backward, ``unscale_``, ``clip_grad_norm_``,
+    ``scaler.step``, ``update``) against ``GuardConfig(max_grad_norm=...)`` with ``scaler=``."""
+    plain = _wrapped("ddp", ctx.world_size)
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.05)
+    plain_scaler = torch.amp.GradScaler("cpu", **SCALER)
+    guarded = _wrapped("ddp", ctx.world_size)
+    opt = torch.optim.SGD(guarded.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu", **SCALER)
+    guard = Guard(
+        guarded,
+        opt,
+        _loss,
+        config=GuardConfig(verify_every=3, max_grad_norm=CLIP),
+        node=ctx.node,
+        scaler=scaler,
+    )
+    plain_norms: list[float | None] = []
+    norms: list[float | None] = []
+    for s in range(STEPS):
+        b = _batch(s, ctx.rank, poison)
+        plain_opt.zero_grad(set_to_none=True)
+        plain_scaler.scale(_loss(plain, b)).backward()
+        plain_scaler.unscale_(plain_opt)
+        norm = float(torch.nn.utils.clip_grad_norm_(plain.parameters(), CLIP))
+        before = plain_scaler.get_scale()
+        plain_scaler.step(plain_opt)
+        plain_scaler.update()
+        plain_norms.append(None if plain_scaler.get_scale() < before else norm)
+        norms.append(guard.step(b).grad_norm)
+    diff = max(
+        float((a - b).norm() / b.norm())
+        for a, b in zip(guarded.parameters(), plain.parameters(), strict=True)
+    )
+    return {"diff": diff, "norms": norms, "plain_norms": plain_norms}
 
 
 # DDP and FSDP2 on 3 ranks; HSDP on a 2×2 mesh (two replica groups of two shards).
@@ -127,7 +169,9 @@ def test_scaler_overflows_are_skipped_like_the_plain_loop_without_an_incident(
     one-rank overflow that another rank reproduces (a far-off label at step 2): no incident, every
     rank skips exactly the steps the plain scaler loop (DDP, FSDP2, or HSDP 2×2) skips, the scale
     follows the plain loop's, and the weights after 12 steps equal the plain loop's within 1e-6
-    relative."""
+    relative. Under DDP, ``max_grad_norm`` with the scaler clips after ``unscale_`` as the plain
+    AMP loop does: the same weights, and ``grad_norm`` is ``clip_grad_norm_``'s return on every
+    applied step (``None`` on a skipped one)."""
     results = run_local(_equality_job, node_names(ranks, 1), args=(poison, parallel), timeout=180)
     for r in results:
         assert r["scales"] == r["plain_scales"]
@@ -135,6 +179,15 @@ def test_scaler_overflows_are_skipped_like_the_plain_loop_without_an_incident(
         assert r["skipped"][0] == 0 and len(r["skipped"]) >= 2
         assert (POISONED_STEP in r["skipped"]) == poison
         assert r["diff"] < 1e-6
+        if parallel == "ddp":
+            # Clipping sees the unscaled gradient: the plain AMP loop's unscale_ then clip order.
+            c = r["clipped"]
+            assert c["diff"] < 1e-6
+            assert [n is None for n in c["norms"]] == [n is None for n in c["plain_norms"]]
+            applied = [(g, w) for g, w in zip(c["norms"], c["plain_norms"]) if w is not None]
+            assert len(applied) >= STEPS // 2 and sum(w > CLIP for _, w in applied) >= len(applied) // 2
+            for got, want in applied:
+                assert got == pytest.approx(want, rel=1e-4)
     assert all(r["scales"] == results[0]["scales"] for r in results)
 
 
