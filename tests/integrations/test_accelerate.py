@@ -49,7 +49,7 @@ def _mse(module: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return F.mse_loss(module(batch["x"]), batch["y"])
 
 
-def _accelerate_job(ctx: RankContext) -> dict[str, Any]:
+def _accelerate_job(ctx: RankContext, ckpt: str) -> dict[str, Any]:
     """Rank part: the plain Accelerate loop, then the guarded one, with one Accelerator."""
     # The process group is up already; Accelerate reads the launcher's variables to see it.
     os.environ.update(
@@ -101,6 +101,21 @@ def _accelerate_job(ctx: RankContext) -> dict[str, Any]:
             guard.step(_batches(ctx.rank)[0])
     except GuardMisuseError as exc:
         misuse = str(exc)
+    # The guard's state rides in Accelerate's own checkpoint, and a new guard continues from it
+    # (a second Accelerator, so that the checkpoint holds one model, the one restored).
+    saver = accelerate.Accelerator(cpu=True)
+    torch.manual_seed(0)
+    net2 = _Net()
+    model2, opt2 = saver.prepare(net2, torch.optim.AdamW(net2.parameters(), lr=1e-2))
+    resumed = guard_for(saver, model2, opt2, _mse, GuardConfig(verify_every=2), node=ctx.node)
+    saver.register_for_checkpointing(guard)
+    saver.save_state(ckpt)
+    saver.wait_for_everyone()  # rank 0 writes the shared files
+    saver._custom_objects.clear()  # restore into the new guard only
+    saver.register_for_checkpointing(resumed)
+    saver.load_state(ckpt)
+    state = (resumed.next_step, resumed.last_verified_step, guard.next_step, guard.last_verified_step)
+
     return {
         "rel": rel,
         "norms": norms,
@@ -108,12 +123,14 @@ def _accelerate_job(ctx: RankContext) -> dict[str, Any]:
         "verified": verified,
         "lr": (sched.get_last_lr(), plain_lr),
         "misuse": misuse,
+        "state": state,
     }
 
 
 @pytest.fixture(scope="module")
-def accelerate_results() -> list[dict[str, Any]]:
-    return run_local(_accelerate_job, node_names(2, 1), timeout=180)
+def accelerate_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    ckpt = tmp_path_factory.mktemp("accelerate") / "state"
+    return run_local(_accelerate_job, node_names(2, 1), args=(str(ckpt),), timeout=180)
 
 
 @pytest.mark.timeout(240)
@@ -140,6 +157,16 @@ def test_accumulate_around_guard_step_is_refused_as_misuse(accelerate_results: l
     micro-batch) raises GuardMisuseError telling to pass the window to one guard.step call."""
     for r in accelerate_results:
         assert "guard.step(mb1, mb2, ...)" in r["misuse"], r["misuse"]
+
+
+@pytest.mark.timeout(240)
+def test_the_guard_state_rides_in_accelerates_checkpoint(accelerate_results: list[dict[str, Any]]) -> None:
+    """accelerator.register_for_checkpointing(guard) puts Guard.state_dict() in save_state's
+    folder, and load_state restores it into a new guard: it continues at the saved next step
+    with the saved newest verified step."""
+    for r in accelerate_results:
+        next_step, verified, want_next, want_verified = r["state"]
+        assert (next_step, verified) == (want_next, want_verified) == (STEPS, STEPS - 2)
 
 
 def test_windows_group_the_loader_into_steps_with_a_short_last_one() -> None:
