@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-EXTRAS ?= test,plot,progress,lint,kubernetes,hyperpod,http,metrics,transformers,lightning,accelerate
+EXTRAS ?= test,plot,progress,lint,kubernetes,hyperpod,http,metrics,transformers,lightning,accelerate,torchft
 
 .PHONY: demo test test-slow lint bench gpu-check campaign system-deps clean
 
