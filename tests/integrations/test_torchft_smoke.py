@@ -33,8 +33,6 @@ from torch import nn
 
 from replicheck.harness.launch import _context
 
-torchft = pytest.importorskip("torchft")
-
 LEAVE_AT = 3
 """The step both groups vote down, after which ``leave`` exits."""
 EXTRA = 3
