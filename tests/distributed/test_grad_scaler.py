@@ -68,13 +68,17 @@ def _whole(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t  # type: ignore[no-any-return]
 
 
+def _two_loops(parallel: str, world_size: int) -> tuple[Any, ...]:
+    """The plain loop's model, SGD and scaler, then the same three for the guarded loop."""
+    out: list[Any] = []
+    for _ in range(2):
+        model = _wrapped(parallel, world_size)
+        out += [model, torch.optim.SGD(model.parameters(), lr=0.05), torch.amp.GradScaler("cpu", **SCALER)]
+    return tuple(out)
+
+
 def _equality_job(ctx: RankContext, poison: bool, parallel: str) -> dict[str, Any]:
-    plain = _wrapped(parallel, ctx.world_size)
-    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.05)
-    plain_scaler = torch.amp.GradScaler("cpu", **SCALER)
-    guarded = _wrapped(parallel, ctx.world_size)
-    opt = torch.optim.SGD(guarded.parameters(), lr=0.05)
-    scaler = torch.amp.GradScaler("cpu", **SCALER)
+    plain, plain_opt, plain_scaler, guarded, opt, scaler = _two_loops(parallel, ctx.world_size)
     guard = Guard(
         guarded,
         opt,
@@ -121,12 +125,7 @@ CLIP = 0.05
 def _clipped_with_scaler(ctx: RankContext, poison: bool) -> dict[str, Any]:
     """The plain AMP loop's order (scale, backward, ``unscale_``, ``clip_grad_norm_``,
     ``scaler.step``, ``update``) against ``GuardConfig(max_grad_norm=...)`` with ``scaler=``."""
-    plain = _wrapped("ddp", ctx.world_size)
-    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.05)
-    plain_scaler = torch.amp.GradScaler("cpu", **SCALER)
-    guarded = _wrapped("ddp", ctx.world_size)
-    opt = torch.optim.SGD(guarded.parameters(), lr=0.05)
-    scaler = torch.amp.GradScaler("cpu", **SCALER)
+    plain, plain_opt, plain_scaler, guarded, opt, scaler = _two_loops("ddp", ctx.world_size)
     guard = Guard(
         guarded,
         opt,
