@@ -65,7 +65,7 @@ def _loss(module: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.
     return F.mse_loss(module(x), y)
 
 
-def _group(index: int, lighthouse: str, out_dir: str, start: Any, fault: bool, min_size: int) -> None:
+def _group(index: int, lighthouse: str, out_dir: str, start: Any, fault: str | None, min_size: int) -> None:
     """One replica group (one rank): guarded training under torchft; its record (or traceback)
     goes to ``out_dir`` (the suspect's too, as it exits)."""
     record: dict[str, Any] = {"index": index, "pid": os.getpid(), "attempts": []}
@@ -85,7 +85,13 @@ def _group(index: int, lighthouse: str, out_dir: str, start: Any, fault: bool, m
 
 
 def _train(
-    index: int, lighthouse: str, out: Path, start: Any, fault: bool, min_size: int, record: dict[str, Any]
+    index: int,
+    lighthouse: str,
+    out: Path,
+    start: Any,
+    fault: str | None,
+    min_size: int,
+    record: dict[str, Any],
 ) -> None:
     import torch.distributed as dist
     from torchft import Manager, ProcessGroupGloo
@@ -120,11 +126,11 @@ def _train(
     )
     config = GuardConfig(verify_every=VERIFY_EVERY, weights_every=VERIFY_EVERY, incident_dir=str(out))
     tg = TorchftGuard(manager, pg, net, opt, _loss, config, node=f"group{index}")
-    if fault:
+    if fault is not None:
         # On group FAULTY only (rank = the group's index among the 3 groups started).
-        Fault.at_forward("inp").persistent(from_step=ONSET).scale(3.0, index=5).on_rank(FAULTY).install(
-            net, optimizer=opt, rank=index, world_size=3
-        )
+        at = Fault.at_forward("inp").scale(3.0, index=5).on_rank(FAULTY)
+        at = at.persistent(from_step=ONSET) if fault == "persistent" else at.transient(step=ONSET)
+        at.install(net, optimizer=opt, rank=index, world_size=3)
     start.wait(timeout=30)  # every group heartbeats before any asks for the first quorum
     while manager.current_step() < STEPS:
         s = tg.begin()
@@ -153,7 +159,7 @@ def _train(
     manager.shutdown(wait=False)
 
 
-def _run(tmp: Path, groups: int, fault: bool, min_size: int, min_replicas: int) -> dict[str, Any]:
+def _run(tmp: Path, groups: int, fault: str | None, min_size: int, min_replicas: int) -> dict[str, Any]:
     """Start ``groups`` replica groups against a fresh lighthouse; wait for all; their records."""
     from torchft._torchft import LighthouseServer
 
@@ -194,7 +200,7 @@ def _run(tmp: Path, groups: int, fault: bool, min_size: int, min_replicas: int) 
 @pytest.fixture(scope="module")
 def leave(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """3 groups, a persistent fault on group 1 from ONSET."""
-    return _run(tmp_path_factory.mktemp("leave"), 3, fault=True, min_size=2, min_replicas=2)
+    return _run(tmp_path_factory.mktemp("leave"), 3, fault="persistent", min_size=2, min_replicas=2)
 
 
 def _committed(record: dict[str, Any]) -> list[int]:
@@ -246,8 +252,13 @@ def test_the_named_group_leaves_with_87_and_the_others_retake_the_step(leave: di
         a["t"] for i in (0, 2) for a in recs[i]["attempts"] if a["step"] == ONSET and a["committed"]
     )
     gap = first_commit - suspect["t_exit"]
-    print(f"\nfrom the suspect's exit to the next committed step: {gap:.2f} s (wall {leave['wall_s']:.1f} s)")
+    detected = min(a["t"] for i in (0, 2) for a in recs[i]["attempts"] if a["incident"] is not None)
+    print(
+        f"\nfrom detection to the next committed step: {first_commit - detected:.2f} s; from the "
+        f"suspect's exit: {gap:.2f} s (wall {leave['wall_s']:.1f} s)"
+    )
     assert 0 < gap < HEARTBEAT_MS / 1000 + 5.0
+    assert 0 < first_commit - detected < HEARTBEAT_MS / 1000 + 5.0
 
 
 @pytest.mark.timeout(120)
@@ -268,10 +279,25 @@ def test_the_remaining_groups_hold_the_clean_weights(leave: dict[str, Any]) -> N
 
 
 @pytest.mark.timeout(120)
+def test_a_transient_fault_also_sends_its_group_out(tmp_path: Path) -> None:
+    """A one-off fault on group 1 at ONSET is classified transient and names group 1: it exits
+    87, and groups 0 and 2 commit ONSET without it and finish the planned steps."""
+    run = _run(tmp_path, 3, fault="transient", min_size=2, min_replicas=2)
+    assert run["exitcodes"] == [0, EXIT_SUSPECT, 0]
+    for i in (0, 2):
+        r = run["records"][i]
+        at_onset = [a for a in r["attempts"] if a["step"] == ONSET]
+        assert [(a["committed"], a["participants"]) for a in at_onset] == [(False, 3), (True, 2)]
+        assert (at_onset[0]["classification"], at_onset[0]["suspects"]) == ("transient", (f"group{FAULTY}",))
+        assert _committed(r) == list(range(STEPS))
+    assert _committed(run["records"][FAULTY]) == list(range(ONSET))
+
+
+@pytest.mark.timeout(120)
 def test_two_groups_are_ambiguous_and_both_stop(tmp_path: Path) -> None:
     """With 2 groups no group can be named alone: the verdict is ambiguous, neither group commits
     ONSET, and both stop as today (CorruptionDetected, then exit 87), neither left running."""
-    run = _run(tmp_path, 2, fault=True, min_size=1, min_replicas=2)
+    run = _run(tmp_path, 2, fault="persistent", min_size=1, min_replicas=2)
     assert run["exitcodes"] == [EXIT_SUSPECT, EXIT_SUSPECT]
     for r in run["records"]:
         assert r["stopped"]["step"] == ONSET
@@ -284,7 +310,7 @@ def test_two_groups_are_ambiguous_and_both_stop(tmp_path: Path) -> None:
 def test_a_clean_three_group_run_commits_every_step_everywhere(tmp_path: Path) -> None:
     """No fault: no incident, every group commits every planned step with 3 participants, the
     guard verified every other step, and the weights end bitwise equal across groups."""
-    run = _run(tmp_path, 3, fault=False, min_size=3, min_replicas=3)
+    run = _run(tmp_path, 3, fault=None, min_size=3, min_replicas=3)
     assert run["exitcodes"] == [0, 0, 0]
     assert run["incidents"] == []
     for r in run["records"]:

@@ -41,6 +41,10 @@ from replicheck.integrations import require
 log = logging.getLogger(__name__)
 
 
+_LEAVES = frozenset({"persistent", "transient"})
+"""Verdicts that send the named groups out: a device computed wrong, and the others agree."""
+
+
 class _VotedDown(Exception):
     """Internal: ``should_commit`` said no to a step the guard passed (raised before the update)."""
 
@@ -184,8 +188,10 @@ class TorchftGuard:
         suspects = set(incident.suspect_ranks)
         left = n - len(suspects)
         minimum = int(getattr(self.manager, "_min_replica_size", 1))
-        if incident.classification == "ambiguous" or not suspects or left < max(minimum, 1):
-            raise exc  # today's stop: no group can be trusted alone
+        if incident.classification not in _LEAVES or not suspects or left < max(minimum, 1):
+            # Today's stop: no group can be trusted alone (ambiguous), the batch or the run is at
+            # fault rather than a device (data, divergence), or too few groups would be left.
+            raise exc
         if self.replicas.comm.rank in suspects:
             log.error("step %d: this replica group is named (%s); it leaves the quorum", s, incident.id)
             # Stop heartbeating at once (the lighthouse drops a silent group), then 87 as today.
