@@ -4,6 +4,8 @@ lighthouse and gloo, one rank per replica group, each group its own process and 
 * ``leave``: 3 groups, a persistent forward fault on group 1 from step ``ONSET`` (a verification
   step): the guard names group 1 at ``ONSET``, no group applies it, group 1 exits with 87, groups
   0 and 2 take step ``ONSET`` again in the same processes, and finish the planned steps;
+* a transient fault sends its group out the same way; a second fault once 2 groups are left is
+  ``ambiguous`` and stops both (today's path);
 * ``ambiguous``: 2 groups, the same fault: no group can be named alone, so every group stops as
   today (``CorruptionDetected`` → ``exit_on_corruption`` → 87, an ambiguous incident);
 * ``clean``: 3 groups, no fault: every step committed by every group, weights bitwise equal.
@@ -36,6 +38,10 @@ VERIFY_EVERY = 2
 """The guard verifies steps 0, 2, 4, ..."""
 FAULTY = 1
 """The faulty replica group's index."""
+SECOND_GROUP = 2
+"""The group a second fault hits (``second`` scenario)."""
+SECOND_ONSET = 6
+"""Its first step, a verification step after group FAULTY has left."""
 EXIT_SUSPECT = 87
 LR = 1e-2
 HEARTBEAT_MS = 1000
@@ -129,8 +135,12 @@ def _train(
     if fault is not None:
         # On group FAULTY only (rank = the group's index among the 3 groups started).
         at = Fault.at_forward("inp").scale(3.0, index=5).on_rank(FAULTY)
-        at = at.persistent(from_step=ONSET) if fault == "persistent" else at.transient(step=ONSET)
+        at = at.transient(step=ONSET) if fault == "transient" else at.persistent(from_step=ONSET)
         at.install(net, optimizer=opt, rank=index, world_size=3)
+        if fault == "second":
+            # A second faulty group, once group FAULTY has left: 2 groups, no third party.
+            second = Fault.at_forward("inp").scale(3.0, index=5).on_rank(SECOND_GROUP)
+            second.persistent(from_step=SECOND_ONSET).install(net, optimizer=opt, rank=index, world_size=3)
     start.wait(timeout=30)  # every group heartbeats before any asks for the first quorum
     while manager.current_step() < STEPS:
         s = tg.begin()
@@ -273,7 +283,7 @@ def test_the_remaining_groups_hold_the_clean_weights(leave: dict[str, Any]) -> N
     ref = _clean_reference(schedule)
     for name in a:
         torch.testing.assert_close(a[name], ref[name], rtol=1e-5, atol=1e-6)
-    # The same with group 1's corrupted step ONSET applied is far from it (the check can fail).
+    # A schedule in which 3 groups committed ONSET ends elsewhere (so the check can fail).
     wrong = _clean_reference([[0, 1, 2]] * (ONSET + 1) + [[0, 2]] * (STEPS - ONSET - 1))
     assert any(not torch.allclose(a[n], wrong[n], rtol=1e-5, atol=1e-6) for n in a)
 
@@ -304,6 +314,21 @@ def test_two_groups_are_ambiguous_and_both_stop(tmp_path: Path) -> None:
         assert r["stopped"]["classification"] == "ambiguous"
         assert _committed(r) == list(range(ONSET))
     assert len(run["incidents"]) == 1
+
+
+@pytest.mark.timeout(120)
+def test_a_second_fault_with_two_groups_left_is_ambiguous(tmp_path: Path) -> None:
+    """Group 1 leaves at ONSET; when group 2 goes wrong too at SECOND_ONSET, only 2 groups are in
+    the quorum: the verdict is ambiguous, neither commits SECOND_ONSET, both stop with 87."""
+    run = _run(tmp_path, 3, fault="second", min_size=2, min_replicas=2)
+    assert run["exitcodes"] == [EXIT_SUSPECT, EXIT_SUSPECT, EXIT_SUSPECT]
+    assert "stopped" not in run["records"][FAULTY]
+    for i in (0, 2):
+        r = run["records"][i]
+        assert (r["stopped"]["step"], r["stopped"]["classification"]) == (SECOND_ONSET, "ambiguous")
+        assert _committed(r) == list(range(SECOND_ONSET))
+        assert {a["pid"] for a in r["attempts"]} == {run["pids"][i]}
+    assert len(run["incidents"]) == 2
 
 
 @pytest.mark.timeout(120)
