@@ -102,3 +102,25 @@ def test_wrapped_models_another_group_and_unsupported_modes_are_refused(lighthou
         assert replicas.install(GuardConfig()) is replicas.health
     finally:
         m.shutdown(wait=False)
+
+
+def _shard_and_refuse(ctx: Any) -> str:
+    """On a 1-rank gloo job: an FSDP2 module handed to TorchftReplicas is refused (the module is
+    checked before the manager, so no manager is needed to see it)."""
+    from torch.distributed.fsdp import fully_shard
+
+    sharded = fully_shard(nn.Linear(4, 4))
+    try:
+        TorchftReplicas(None, None, sharded)
+    except GuardConfigError as exc:
+        return str(exc)
+    return "accepted"
+
+
+@pytest.mark.timeout(120)
+def test_an_fsdp2_module_is_refused() -> None:
+    """FSDP2 inside a replica group is not supported in this slice: refused, saying so."""
+    from replicheck.harness.launch import node_names, run_local
+
+    (message,) = run_local(_shard_and_refuse, node_names(1, 1), timeout=100)
+    assert "FSDP2 inside a replica group is not supported" in message
