@@ -110,6 +110,16 @@ class Comm:
     def _keep(self, *tensors: torch.Tensor) -> None:
         IN_FLIGHT.hold(tensors)
 
+    # -- the group's primitives: a subclass over a group torch.distributed does not know (torchft's
+    # reconfigurable one) overrides these three and :meth:`_grouped`, and nothing else ------------
+    def _all_reduce(self, t: torch.Tensor, op: dist.ReduceOp.RedOpType) -> None:
+        """Reduce ``t`` in place over the group (synchronous)."""
+        dist.all_reduce(t, op=op, group=self.group)
+
+    def _all_gather_into(self, out: torch.Tensor, local: torch.Tensor) -> None:
+        """Every rank's 1-D ``local`` into the flat ``out`` (rank order), synchronous."""
+        _all_gather_single(out, local, self.group)
+
     def global_rank(self, group_rank: int) -> int:
         if not self.distributed or self.group is None:
             return group_rank
@@ -132,7 +142,7 @@ class Comm:
         """Every rank's 1-D ``local`` (same length everywhere) as a ``(world, len)`` tensor on its
         device: one collective into one flat output."""
         out = torch.empty(self.world_size * local.numel(), dtype=local.dtype, device=local.device)
-        _all_gather_single(out, local, self.group)
+        self._all_gather_into(out, local)
         self._keep(local, out)
         return out.view(self.world_size, -1)
 
@@ -141,7 +151,7 @@ class Comm:
         if self.world_size == 1:
             return value
         t = torch.tensor([value], dtype=torch.int64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        self._all_reduce(t, dist.ReduceOp.MAX)
         self._keep(t)
         return int(to_host(t, "pass count")[0])
 
@@ -155,7 +165,7 @@ class Comm:
         if self.world_size == 1:
             return [0] if flag else []
         t = torch.tensor([int(flag)], dtype=torch.int64, device=self.device)
-        dist.all_reduce(t, group=self.group)
+        self._all_reduce(t, dist.ReduceOp.SUM)
         self._keep(t)
         if not int(to_host(t, why)[0]):
             return []
@@ -227,7 +237,7 @@ class Comm:
         if not self._p2p_ready:
             # A device all-reduce: no host transfer, nothing to wait for here.
             ready = torch.zeros(1, dtype=torch.int64, device=self.device)
-            dist.all_reduce(ready, group=self.group)
+            self._all_reduce(ready, dist.ReduceOp.SUM)
             self._keep(ready)
             self._p2p_ready = True
 

@@ -1,0 +1,209 @@
+"""The guard inside torchft's step (issue 28, first slice; ``docs/no-restart.md``).
+
+:class:`TorchftGuard` runs one guarded step per call in a torchft replica group of one rank:
+
+1. ``Manager.start_quorum()`` (synchronous quorum); when the quorum changed (its id, this group's
+   rank or the group count), the guard is built again over the groups now in it, so its ring,
+   arbiters and node list are the quorum's;
+2. the guard's step, numbered ``Manager.current_step()`` (a step voted down is taken again with
+   the same number), its gradients averaged through ``Manager.allreduce``
+   (:class:`~replicheck.guard.parallel.torchft.TorchftReplicas`);
+3. the commit: a step that passed the guard's checks is applied only if ``Manager.should_commit()``
+   says yes (asked from inside the guard's optimizer step, before any update);
+4. a verdict naming replica groups: every group calls ``Manager.report_error`` and votes its step
+   down (torchft's vote is per group), then the named groups exit with 87
+   (:func:`replicheck.elastic.exit_on_corruption`) and the others return a step that was not
+   committed; their next call takes the same step number in a quorum without the suspects.
+   An ``ambiguous`` verdict (fewer than 3 groups, or no group named alone), or one that would leave
+   fewer groups than the manager's ``min_replica_size``, is today's stop: every group votes down
+   and raises :class:`~replicheck.guard.CorruptionDetected`.
+
+Needs ``pip install 'replicheck[torchft]'``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from replicheck.elastic import exit_on_corruption
+from replicheck.guard import CorruptionDetected, Guard, GuardConfig, StepResult
+from replicheck.guard.errors import GuardError
+from replicheck.guard.loss import LossFn
+from replicheck.guard.parallel.torchft import TorchftReplicas
+from replicheck.incident import Incident
+from replicheck.integrations import require
+
+log = logging.getLogger(__name__)
+
+
+_LEAVES = frozenset({"persistent", "transient"})
+"""Verdicts that send the named groups out: a device computed wrong, and the others agree."""
+
+
+class _VotedDown(Exception):
+    """Internal: ``should_commit`` said no to a step the guard passed (raised before the update)."""
+
+
+@dataclass(frozen=True)
+class TorchftStep:
+    """What :meth:`TorchftGuard.step` returns."""
+
+    step: int
+    """The step number taken (``Manager.current_step()`` at its start)."""
+    committed: bool
+    """Whether this group applied the step (the guard passed it and ``should_commit`` said yes)."""
+    participants: int
+    """Replica groups in this step's quorum."""
+    result: StepResult | None = None
+    """The guard's result, when its checks passed."""
+    incident: Incident | None = None
+    """The verdict that voted the step down and sent the named groups out, when there was one."""
+    t_committed: float | None = None
+    """``time.time()`` when the step was committed (measurements)."""
+
+
+class TorchftGuard:
+    """A guarded step per call, in one torchft replica group of one rank (module docstring).
+
+    ``module`` is the bare model (the DDP wrapper torchft's averaging runs in is built here:
+    :attr:`model` is what the loss function is called with in training passes). ``pg`` is the
+    process group given to ``manager``. ``optimizer`` is the plain torch optimizer (not
+    ``torchft.Optimizer``: the commit vote is asked here). ``node`` names this replica group in
+    incidents (default: the host's node name from the environment).
+    """
+
+    def __init__(
+        self,
+        manager: Any,
+        pg: Any,
+        module: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        loss_fn: LossFn,
+        config: GuardConfig | None = None,
+        node: str | None = None,
+    ) -> None:
+        require("torchft", "torchft")
+        self.manager = manager
+        self.replicas = TorchftReplicas(manager, pg, module)
+        self._optimizer, self._loss_fn = optimizer, loss_fn
+        self._config = config if config is not None else GuardConfig()
+        self._node = node
+        self._guard: Guard | None = None
+        self._quorum: tuple[object, int, int] | None = None
+        self._begun: int | None = None
+        self.reforms = 0
+        """How many times the guard was built again for a new quorum (the first build included)."""
+        self._hooked = False
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The DDP wrapper training passes call."""
+        return self.replicas.model
+
+    @property
+    def guard(self) -> Guard:
+        """The guard of the current quorum (after the first :meth:`begin`)."""
+        if self._guard is None:
+            raise GuardError("no quorum yet: call begin() or step() first")
+        return self._guard
+
+    def begin(self) -> int:
+        """Join this step's quorum (re-forming the guard when it changed); returns the step number
+        the next :meth:`step` takes. :meth:`step` calls it when it was not called."""
+        if self._begun is not None:
+            return self._begun
+        self.manager.start_quorum()
+        comm = self.replicas.quorum_comm
+        rank, size = comm.refresh()
+        # The manager reconfigures its process group whenever the quorum id changes; the id has no
+        # public accessor in torchft 0.2.
+        key = (getattr(self.manager, "_quorum_id", None), rank, size)
+        if key != self._quorum:
+            self._reform()
+            self._quorum = key
+        step = int(self.manager.current_step())
+        guard = self.guard
+        if guard.next_step != step:
+            guard.load_state_dict({**guard.state_dict(), "next_step": step})
+        self._begun = step
+        return step
+
+    def _reform(self) -> None:
+        """A guard over the groups in the new quorum: its ring, arbiters and nodes are theirs."""
+        old = self._guard
+        guard = Guard(
+            self.replicas.model,
+            self._optimizer,
+            self._loss_fn,
+            self._config,
+            node=self._node,
+            parallelism=self.replicas,
+        )
+        if old is not None:
+            guard.load_state_dict(old.state_dict())
+        self._guard = guard
+        self.reforms += 1
+        if not self._hooked:
+            # After the guard's own gate (registered by the first guard), so a step the gate
+            # refuses never reaches the vote.
+            self._optimizer.register_step_pre_hook(self._commit_vote)
+            self._hooked = True
+        log.info("replicheck: guard re-formed over %d replica group(s)", self.replicas.comm.world_size)
+
+    def _commit_vote(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if not self.manager.should_commit():
+            raise _VotedDown
+
+    def step(self, *microbatches: Any) -> TorchftStep:
+        """One guarded step (module docstring). Exits the process with 87 when a verdict names
+        this group; raises ``CorruptionDetected`` on every group when it names none alone."""
+        s = self.begin()
+        self._begun = None
+        guard, n = self.guard, self.replicas.comm.world_size
+        try:
+            result = guard.step(*microbatches)
+        except _VotedDown:
+            log.warning("step %d: torchft's commit vote said no; it is taken again", s)
+            return TorchftStep(step=s, committed=False, participants=n)
+        except CorruptionDetected as exc:
+            return self._verdict(s, n, exc)
+        except BaseException as exc:
+            # Whatever stopped the step here stops it in this group's vote too.
+            self.manager.report_error(exc if isinstance(exc, Exception) else RuntimeError(repr(exc)))
+            raise
+        return TorchftStep(step=s, committed=True, participants=n, result=result, t_committed=time.time())
+
+    def _verdict(self, s: int, n: int, exc: CorruptionDetected) -> TorchftStep:
+        incident = exc.incident
+        # Every group holds the same verdict (the guard's judgement is collective): each votes its
+        # own step down, since torchft's should_commit counts only the group's own ranks.
+        self.manager.report_error(exc)
+        if self.manager.should_commit():
+            raise GuardError(f"internal: step {s} committed after report_error") from exc
+        suspects = set(incident.suspect_ranks)
+        left = n - len(suspects)
+        minimum = int(getattr(self.manager, "_min_replica_size", 1))
+        if incident.classification not in _LEAVES or not suspects or left < max(minimum, 1):
+            # Today's stop: no group can be trusted alone (ambiguous), the batch or the run is at
+            # fault rather than a device (data, divergence), or too few groups would be left.
+            raise exc
+        if self.replicas.comm.rank in suspects:
+            log.error("step %d: this replica group is named (%s); it leaves the quorum", s, incident.id)
+            # Stop heartbeating at once (the lighthouse drops a silent group), then 87 as today.
+            self.manager.shutdown(wait=False)
+            exit_on_corruption(incident)
+        log.warning(
+            "step %d: replica group(s) %s named (%s); the step is taken again without them",
+            s,
+            ", ".join(incident.suspect_nodes),
+            incident.id,
+        )
+        return TorchftStep(step=s, committed=False, participants=n, incident=incident)
+
+
+__all__ = ["TorchftGuard", "TorchftStep"]

@@ -1,0 +1,350 @@
+"""The guard inside torchft's step (issue 28, first slice): ``TorchftGuard`` with the real Rust
+lighthouse and gloo, one rank per replica group, each group its own process and ``Manager``.
+
+* ``leave``: 3 groups, a persistent forward fault on group 1 from step ``ONSET`` (a verification
+  step): the guard names group 1 at ``ONSET``, no group applies it, group 1 exits with 87, groups
+  0 and 2 take step ``ONSET`` again in the same processes, and finish the planned steps;
+* a transient fault sends its group out the same way; a second fault once 2 groups are left is
+  ``ambiguous`` and stops both (today's path);
+* ``ambiguous``: 2 groups, the same fault: no group can be named alone, so every group stops as
+  today (``CorruptionDetected`` → ``exit_on_corruption`` → 87, an ambiguous incident);
+* ``clean``: 3 groups, no fault: every step committed by every group, weights bitwise equal.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from replicheck.harness.launch import _context
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+STEPS = 8
+"""Steps every scenario plans (committed steps 0..STEPS-1)."""
+ONSET = 4
+"""The fault's first step on group 1: a verification step (``VERIFY_EVERY``), so nothing corrupted
+is ever committed and the survivors' weights can be checked against a clean recomputation."""
+VERIFY_EVERY = 2
+"""The guard verifies steps 0, 2, 4, ..."""
+FAULTY = 1
+"""The faulty replica group's index."""
+SECOND_GROUP = 2
+"""The group a second fault hits (``second`` scenario)."""
+SECOND_ONSET = 6
+"""Its first step, a verification step after group FAULTY has left."""
+EXIT_SUSPECT = 87
+LR = 1e-2
+HEARTBEAT_MS = 1000
+JOIN_MS = 500
+
+
+class _Net(nn.Module):
+    """A small MLP."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 32)
+        self.out = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.inp(x)))
+
+
+def _batch(group: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group ``group``'s own shard of step ``step``."""
+    g = torch.Generator().manual_seed(1000 * step + group)
+    return torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)
+
+
+def _loss(module: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    x, y = batch
+    return F.mse_loss(module(x), y)
+
+
+def _group(index: int, lighthouse: str, out_dir: str, start: Any, fault: str | None, min_size: int) -> None:
+    """One replica group (one rank): guarded training under torchft; its record (or traceback)
+    goes to ``out_dir`` (the suspect's too, as it exits)."""
+    record: dict[str, Any] = {"index": index, "pid": os.getpid(), "attempts": []}
+    out = Path(out_dir) / f"g{index}.pt"
+    try:
+        _train(index, lighthouse, Path(out_dir), start, fault, min_size, record)
+    except SystemExit as exc:
+        record["exit"] = exc.code
+        record["t_exit"] = time.time()
+        torch.save(record, out)
+        raise
+    except BaseException:
+        record["error"] = traceback.format_exc()
+        torch.save(record, out)
+        raise
+    torch.save(record, out)
+
+
+def _train(
+    index: int,
+    lighthouse: str,
+    out: Path,
+    start: Any,
+    fault: str | None,
+    min_size: int,
+    record: dict[str, Any],
+) -> None:
+    import torch.distributed as dist
+    from torchft import Manager, ProcessGroupGloo
+
+    from replicheck.elastic import exit_on_corruption
+    from replicheck.faults import Fault
+    from replicheck.guard import CorruptionDetected, GuardConfig
+    from replicheck.integrations.torchft import TorchftGuard
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    torch.manual_seed(0)
+    net = _Net()
+    opt = torch.optim.AdamW(net.parameters(), lr=LR)
+    ttl = timedelta(seconds=20)
+    pg = ProcessGroupGloo(timeout=ttl)
+    manager = Manager(
+        pg=pg,
+        load_state_dict=lambda sd: (net.load_state_dict(sd["model"]), opt.load_state_dict(sd["optim"])),
+        state_dict=lambda: {"model": net.state_dict(), "optim": opt.state_dict()},
+        min_replica_size=min_size,
+        use_async_quorum=False,
+        replica_id=f"replicheck_g{index}",
+        store_addr="127.0.0.1",
+        store_port=store.port,
+        rank=0,
+        world_size=1,
+        lighthouse_addr=lighthouse,
+        timeout=ttl,
+        quorum_timeout=ttl,
+        connect_timeout=ttl,
+    )
+    config = GuardConfig(verify_every=VERIFY_EVERY, weights_every=VERIFY_EVERY, incident_dir=str(out))
+    tg = TorchftGuard(manager, pg, net, opt, _loss, config, node=f"group{index}")
+    if fault is not None:
+        # On group FAULTY only (rank = the group's index among the 3 groups started).
+        at = Fault.at_forward("inp").scale(3.0, index=5).on_rank(FAULTY)
+        at = at.transient(step=ONSET) if fault == "transient" else at.persistent(from_step=ONSET)
+        at.install(net, optimizer=opt, rank=index, world_size=3)
+        if fault == "second":
+            # A second faulty group, once group FAULTY has left: 2 groups, no third party.
+            second = Fault.at_forward("inp").scale(3.0, index=5).on_rank(SECOND_GROUP)
+            second.persistent(from_step=SECOND_ONSET).install(net, optimizer=opt, rank=index, world_size=3)
+    start.wait(timeout=30)  # every group heartbeats before any asks for the first quorum
+    while manager.current_step() < STEPS:
+        s = tg.begin()
+        try:
+            got = tg.step(_batch(index, s))
+        except CorruptionDetected as exc:
+            record["stopped"] = {"step": s, "classification": exc.incident.classification, "t": time.time()}
+            record["incident"] = exc.incident.id
+            exit_on_corruption(exc.incident)
+        record["attempts"].append(
+            {
+                "step": got.step,
+                "committed": got.committed,
+                "participants": got.participants,
+                "pid": os.getpid(),
+                "t": time.time(),
+                "verified": got.result.verified if got.result is not None else None,
+                "incident": got.incident.id if got.incident is not None else None,
+                "suspects": got.incident.suspect_nodes if got.incident is not None else None,
+                "classification": got.incident.classification if got.incident is not None else None,
+            }
+        )
+    record["final"] = {k: v.clone() for k, v in net.state_dict().items()}
+    record["final_step"] = manager.current_step()
+    record["reforms"] = tg.reforms
+    manager.shutdown(wait=False)
+
+
+def _run(tmp: Path, groups: int, fault: str | None, min_size: int, min_replicas: int) -> dict[str, Any]:
+    """Start ``groups`` replica groups against a fresh lighthouse; wait for all; their records."""
+    from torchft._torchft import LighthouseServer
+
+    lighthouse = LighthouseServer(
+        bind="[::]:0", min_replicas=min_replicas, join_timeout_ms=JOIN_MS, heartbeat_timeout_ms=HEARTBEAT_MS
+    )
+    ctx = _context()
+    start = ctx.Barrier(groups)
+    procs = [
+        ctx.Process(target=_group, args=(i, lighthouse.address(), str(tmp), start, fault, min_size))
+        for i in range(groups)
+    ]
+    t0 = time.monotonic()
+    try:
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=60)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        lighthouse.shutdown()
+    records = [torch.load(tmp / f"g{i}.pt", weights_only=False) for i in range(groups)]
+    for r in records:
+        if "error" in r:
+            raise AssertionError(f"replica group {r['index']} failed:\n{r['error']}")
+    return {
+        "records": records,
+        "pids": [p.pid for p in procs],
+        "exitcodes": [p.exitcode for p in procs],
+        "wall_s": time.monotonic() - t0,
+        "incidents": sorted(tmp.glob("*.json")),
+    }
+
+
+@pytest.fixture(scope="module")
+def leave(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """3 groups, a persistent fault on group 1 from ONSET."""
+    return _run(tmp_path_factory.mktemp("leave"), 3, fault="persistent", min_size=2, min_replicas=2)
+
+
+def _committed(record: dict[str, Any]) -> list[int]:
+    return [a["step"] for a in record["attempts"] if a["committed"]]
+
+
+def _clean_reference(schedule: list[list[int]]) -> dict[str, torch.Tensor]:
+    """Plain torch, one process: step ``s`` averages the gradients of the groups in
+    ``schedule[s]`` (each on its own shard), then AdamW."""
+    torch.manual_seed(0)
+    net = _Net()
+    opt = torch.optim.AdamW(net.parameters(), lr=LR)
+    for step, groups in enumerate(schedule):
+        total = [torch.zeros_like(p) for p in net.parameters()]
+        for g in groups:
+            grads = torch.autograd.grad(_loss(net, _batch(g, step)), list(net.parameters()))
+            total = [t + d for t, d in zip(total, grads)]
+        for p, t in zip(net.parameters(), total):
+            p.grad = t / len(groups)
+        opt.step()
+    return {k: v.clone() for k, v in net.state_dict().items()}
+
+
+@pytest.mark.timeout(120)
+def test_the_named_group_leaves_with_87_and_the_others_retake_the_step(leave: dict[str, Any]) -> None:
+    """Detection at ONSET (the first verification after the fault's onset) names group 1 in an
+    incident; no group commits ONSET then; group 1 exits 87; groups 0 and 2 commit ONSET next, with
+    2 participants, in the processes they started in, and every planned step once."""
+    recs = leave["records"]
+    assert leave["exitcodes"] == [0, EXIT_SUSPECT, 0]
+    assert len(leave["incidents"]) == 1
+    suspect = recs[FAULTY]
+    assert suspect["exit"] == EXIT_SUSPECT
+    assert _committed(suspect) == list(range(ONSET))
+    for i in (0, 2):
+        r = recs[i]
+        at_onset = [a for a in r["attempts"] if a["step"] == ONSET]
+        assert [(a["committed"], a["participants"]) for a in at_onset] == [(False, 3), (True, 2)]
+        assert at_onset[0]["suspects"] == (f"group{FAULTY}",)
+        assert at_onset[0]["classification"] in ("persistent", "transient")
+        assert at_onset[0]["incident"] in leave["incidents"][0].name
+        assert _committed(r) == list(range(STEPS)) and r["final_step"] == STEPS
+        assert {a["pid"] for a in r["attempts"]} == {leave["pids"][i]} == {r["pid"]}
+        assert all(a["participants"] == 3 for a in r["attempts"] if a["step"] < ONSET)
+        assert all(a["participants"] == 2 for a in r["attempts"] if a["step"] > ONSET)
+        assert r["reforms"] == 2  # the first quorum, then the one without group 1
+    # The verdict at ONSET was reached before any commit of ONSET: the suspect exited on it.
+    first_commit = min(
+        a["t"] for i in (0, 2) for a in recs[i]["attempts"] if a["step"] == ONSET and a["committed"]
+    )
+    gap = first_commit - suspect["t_exit"]
+    detected = min(a["t"] for i in (0, 2) for a in recs[i]["attempts"] if a["incident"] is not None)
+    print(
+        f"\nfrom detection to the next committed step: {first_commit - detected:.2f} s; from the "
+        f"suspect's exit: {gap:.2f} s (wall {leave['wall_s']:.1f} s)"
+    )
+    assert 0 < gap < HEARTBEAT_MS / 1000 + 5.0
+    assert 0 < first_commit - detected < HEARTBEAT_MS / 1000 + 5.0
+
+
+@pytest.mark.timeout(120)
+def test_the_remaining_groups_hold_the_clean_weights(leave: dict[str, Any]) -> None:
+    """Groups 0 and 2 end bitwise equal, and equal (to rounding) to a plain recomputation in which
+    steps before ONSET average 3 groups and ONSET on average groups 0 and 2: nothing of group 1's
+    corrupted step was applied anywhere."""
+    a, b = leave["records"][0]["final"], leave["records"][2]["final"]
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    schedule = [[0, 1, 2]] * ONSET + [[0, 2]] * (STEPS - ONSET)
+    ref = _clean_reference(schedule)
+    for name in a:
+        torch.testing.assert_close(a[name], ref[name], rtol=1e-5, atol=1e-6)
+    # A schedule in which 3 groups committed ONSET ends elsewhere (so the check can fail).
+    wrong = _clean_reference([[0, 1, 2]] * (ONSET + 1) + [[0, 2]] * (STEPS - ONSET - 1))
+    assert any(not torch.allclose(a[n], wrong[n], rtol=1e-5, atol=1e-6) for n in a)
+
+
+@pytest.mark.timeout(120)
+def test_a_transient_fault_also_sends_its_group_out(tmp_path: Path) -> None:
+    """A one-off fault on group 1 at ONSET is classified transient and names group 1: it exits
+    87, and groups 0 and 2 commit ONSET without it and finish the planned steps."""
+    run = _run(tmp_path, 3, fault="transient", min_size=2, min_replicas=2)
+    assert run["exitcodes"] == [0, EXIT_SUSPECT, 0]
+    for i in (0, 2):
+        r = run["records"][i]
+        at_onset = [a for a in r["attempts"] if a["step"] == ONSET]
+        assert [(a["committed"], a["participants"]) for a in at_onset] == [(False, 3), (True, 2)]
+        assert (at_onset[0]["classification"], at_onset[0]["suspects"]) == ("transient", (f"group{FAULTY}",))
+        assert _committed(r) == list(range(STEPS))
+    assert _committed(run["records"][FAULTY]) == list(range(ONSET))
+
+
+@pytest.mark.timeout(120)
+def test_two_groups_are_ambiguous_and_both_stop(tmp_path: Path) -> None:
+    """With 2 groups no group can be named alone: the verdict is ambiguous, neither group commits
+    ONSET, and both stop as today (CorruptionDetected, then exit 87), neither left running."""
+    run = _run(tmp_path, 2, fault="persistent", min_size=1, min_replicas=2)
+    assert run["exitcodes"] == [EXIT_SUSPECT, EXIT_SUSPECT]
+    for r in run["records"]:
+        assert r["stopped"]["step"] == ONSET
+        assert r["stopped"]["classification"] == "ambiguous"
+        assert _committed(r) == list(range(ONSET))
+    assert len(run["incidents"]) == 1
+
+
+@pytest.mark.timeout(120)
+def test_a_second_fault_with_two_groups_left_is_ambiguous(tmp_path: Path) -> None:
+    """Group 1 leaves at ONSET; when group 2 goes wrong too at SECOND_ONSET, only 2 groups are in
+    the quorum: the verdict is ambiguous, neither commits SECOND_ONSET, both stop with 87."""
+    run = _run(tmp_path, 3, fault="second", min_size=2, min_replicas=2)
+    assert run["exitcodes"] == [EXIT_SUSPECT, EXIT_SUSPECT, EXIT_SUSPECT]
+    assert "stopped" not in run["records"][FAULTY]
+    for i in (0, 2):
+        r = run["records"][i]
+        assert (r["stopped"]["step"], r["stopped"]["classification"]) == (SECOND_ONSET, "ambiguous")
+        assert _committed(r) == list(range(SECOND_ONSET))
+        assert {a["pid"] for a in r["attempts"]} == {run["pids"][i]}
+    assert len(run["incidents"]) == 2
+
+
+@pytest.mark.timeout(120)
+def test_a_clean_three_group_run_commits_every_step_everywhere(tmp_path: Path) -> None:
+    """No fault: no incident, every group commits every planned step with 3 participants, the
+    guard verified every other step, and the weights end bitwise equal across groups."""
+    run = _run(tmp_path, 3, fault=None, min_size=3, min_replicas=3)
+    assert run["exitcodes"] == [0, 0, 0]
+    assert run["incidents"] == []
+    for r in run["records"]:
+        assert [(a["step"], a["committed"], a["participants"]) for a in r["attempts"]] == [
+            (s, True, 3) for s in range(STEPS)
+        ]
+        assert [a["verified"] for a in r["attempts"]] == [s % VERIFY_EVERY == 0 for s in range(STEPS)]
+        assert r["reforms"] == 1
+    first = run["records"][0]["final"]
+    for r in run["records"][1:]:
+        for name, t in first.items():
+            assert torch.equal(t, r["final"][name]), name

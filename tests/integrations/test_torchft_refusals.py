@@ -1,0 +1,126 @@
+"""What the first torchft slice does not support is refused with a GuardConfigError that says so,
+before any quorum: more than one rank per replica group, FSDP2 inside a group, a model already
+wrapped in DDP, torchft's async quorum, tolerant mode and ``global_item_count``. Real managers
+against a real lighthouse (in this process)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from replicheck.guard import GuardConfig
+from replicheck.guard.errors import GuardConfigError
+from replicheck.guard.parallel.torchft import TorchftReplicas
+
+
+@pytest.fixture(scope="module")
+def lighthouse() -> Iterator[str]:
+    from torchft._torchft import LighthouseServer
+
+    server = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=500, heartbeat_timeout_ms=1000)
+    try:
+        yield server.address()
+    finally:
+        server.shutdown()
+
+
+def _manager(lighthouse: str, pg: Any, *, async_quorum: bool = False, world_size: int = 1) -> Any:
+    import torch.distributed as dist
+    from torchft import Manager
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    ttl = timedelta(seconds=10)
+    return Manager(
+        pg=pg,
+        load_state_dict=lambda sd: None,
+        state_dict=lambda: {},
+        min_replica_size=1,
+        use_async_quorum=async_quorum,
+        replica_id="refusals",
+        store_addr="127.0.0.1",
+        store_port=store.port,
+        rank=0,
+        world_size=world_size,
+        lighthouse_addr=lighthouse,
+        timeout=ttl,
+        quorum_timeout=ttl,
+        connect_timeout=ttl,
+    )
+
+
+def _pg() -> Any:
+    from torchft import ProcessGroupGloo
+
+    return ProcessGroupGloo(timeout=timedelta(seconds=10))
+
+
+@pytest.mark.timeout(60)
+def test_async_quorum_and_groups_of_several_ranks_are_refused(lighthouse: str) -> None:
+    """Manager(use_async_quorum=True) and Manager(world_size=2) are refused, each naming the fix."""
+    pg = _pg()
+    m = _manager(lighthouse, pg, async_quorum=True)
+    try:
+        with pytest.raises(GuardConfigError, match="use_async_quorum=False"):
+            TorchftReplicas(m, pg, nn.Linear(4, 4))
+    finally:
+        m.shutdown(wait=False)
+    pg = _pg()
+    m = _manager(lighthouse, pg, world_size=2)
+    try:
+        with pytest.raises(GuardConfigError, match="one rank per replica group"):
+            TorchftReplicas(m, pg, nn.Linear(4, 4))
+    finally:
+        m.shutdown(wait=False)
+
+
+@pytest.mark.timeout(60)
+def test_wrapped_models_another_group_and_unsupported_modes_are_refused(lighthouse: str) -> None:
+    """A DDP-wrapped model, a process group that is not the manager's, tolerant mode and
+    global_item_count are refused; the plain exact-mode setup installs."""
+    from torchft.process_group import ProcessGroupDummy
+
+    pg = _pg()
+    m = _manager(lighthouse, pg)
+    try:
+        ddp = torch.nn.parallel.DistributedDataParallel(
+            nn.Linear(4, 4), process_group=ProcessGroupDummy(0, 1)
+        )
+        with pytest.raises(GuardConfigError, match="bare module"):
+            TorchftReplicas(m, pg, ddp)
+        with pytest.raises(GuardConfigError, match="given to the torchft Manager"):
+            TorchftReplicas(m, _pg(), nn.Linear(4, 4))
+        replicas = TorchftReplicas(m, pg, nn.Linear(4, 4))
+        with pytest.raises(GuardConfigError, match="mode='exact'"):
+            replicas.install(GuardConfig(mode="tolerant"))
+        with pytest.raises(GuardConfigError, match="global_item_count"):
+            replicas.install(GuardConfig(global_item_count=True, loss_reduction="sum"))
+        assert replicas.install(GuardConfig()) is replicas.health
+    finally:
+        m.shutdown(wait=False)
+
+
+def _shard_and_refuse(ctx: Any) -> str:
+    """On a 1-rank gloo job: an FSDP2 module handed to TorchftReplicas is refused (the module is
+    checked before the manager, so no manager is needed to see it)."""
+    from torch.distributed.fsdp import fully_shard
+
+    sharded = fully_shard(nn.Linear(4, 4))
+    try:
+        TorchftReplicas(None, None, sharded)
+    except GuardConfigError as exc:
+        return str(exc)
+    return "accepted"
+
+
+@pytest.mark.timeout(120)
+def test_an_fsdp2_module_is_refused() -> None:
+    """FSDP2 inside a replica group is not supported in this slice: refused, saying so."""
+    from replicheck.harness.launch import node_names, run_local
+
+    (message,) = run_local(_shard_and_refuse, node_names(1, 1), timeout=100)
+    assert "FSDP2 inside a replica group is not supported" in message
