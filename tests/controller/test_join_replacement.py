@@ -400,17 +400,29 @@ def test_join_into_an_ended_job_fails_and_does_not_resume(env: Callable[..., Any
     assert counting.calls["resume"] == 0 and groups.started(expect=0, wait_s=0) == []
 
 
-def test_slurm_and_kubernetes_say_the_join_is_designed_not_built() -> None:
-    """The Slurm and Kubernetes backends refuse a join with a typed error pointing at the design."""
+def test_other_backends_say_the_join_is_designed_not_built() -> None:
+    """The Slurm, Kubernetes and HyperPod (no orchestrator) backends refuse a join with a typed
+    error pointing at the design; HyperPod with an orchestrator hands the join to it."""
+    from replicheck.controller.backends.hyperpod import HyperPodBackend, HyperPodConfig
     from replicheck.controller.backends.kube_config import KubernetesConfig
     from replicheck.controller.backends.kubernetes import KubernetesBackend
     from replicheck.controller.backends.slurm import SlurmBackend
 
     request = JoinRequest("job1-s40-replay", "job1", "rg1", ("s1",), ("n2",))
-    for backend in (SlurmBackend(), KubernetesBackend(KubernetesConfig(host="http://127.0.0.1:9"))):
+    backends = (
+        SlurmBackend(),
+        KubernetesBackend(KubernetesConfig(host="http://127.0.0.1:9")),
+        HyperPodBackend(HyperPodConfig(cluster_name="c", orchestrator="none"), client=object()),
+    )
+    for backend in backends:
         with pytest.raises(JoinNotBuiltError, match="The controller's join action") as info:
             backend.join(request, "k")
         assert info.value.replica_group == "rg1" and "by hand" in str(info.value)
+    orchestrated = HyperPodBackend(
+        HyperPodConfig(cluster_name="c"), client=object(), orchestrator=SlurmBackend()
+    )
+    with pytest.raises(JoinNotBuiltError, match="the slurm backend"):
+        orchestrated.join(request, "k")
 
 
 def test_continuation_validated_on_the_api_path() -> None:
@@ -421,3 +433,21 @@ def test_continuation_validated_on_the_api_path() -> None:
     )
     with pytest.raises(IncidentFormatError, match="replica_group"):
         validate_incident(bad)
+
+
+def test_approval_page_says_the_group_joins_and_the_job_is_not_resumed(env: Callable[..., Any]) -> None:
+    """What approving will do, as the page and the API show it: a no-restart incident names the
+    replacement group joining live and says the job is not resumed; today's incident still says
+    the job is resumed."""
+    from replicheck.controller.http.views import consequences
+
+    ctl, _, _ = env()
+    live, old = join_incident(), make_incident(job="job2")
+    for inc in (live, old):
+        ctl.ingest(inc)
+    ctl.reconcile()
+    said = consequences(ctl.show(live.id), ctl.config, True)["approve"]
+    assert (
+        "replica group rg1" in said and "joins job job1 live" in said and "not restarted or resumed" in said
+    )
+    assert "resumed from checkpoint step 30" in consequences(ctl.show(old.id), ctl.config, True)["approve"]
