@@ -336,18 +336,8 @@ class LocalBackend:
                 self._db.execute("ROLLBACK")
                 raise
             return result
-        argv = [
-            _fill(
-                a,
-                {
-                    "{job_id}": job_id,
-                    "{replica_group}": group,
-                    "{node}": node,
-                    "{incident}": request.incident_id,
-                },
-            )
-            for a in json.loads(row[0])
-        ]
+        values = dict(zip(JOIN_PLACEHOLDERS, (job_id, group, node, request.incident_id), strict=True))
+        argv = [_fill(str(a), values) for a in json.loads(row[0])]
         # Committed before the process starts: a crash after the start leaves this row, and the
         # next call looks for the process instead of starting a second group.
         self._insert_join(key, request, node, argv, None, "starting", now)
