@@ -32,7 +32,7 @@ from replicheck.incident import Incident, IncidentFormatError, read_incident
 
 log = logging.getLogger(__name__)
 
-RESOLVED_STATES = frozenset({"resumed", "uncordoned"})
+RESOLVED_STATES = frozenset({"resumed", "joined", "uncordoned"})
 """Controller states after which an incident no longer holds its node (the node was replaced,
 or a person dismissed the incident and the node was uncordoned)."""
 

@@ -21,15 +21,20 @@ from typing import Any, Literal, TypeAlias
 from replicheck.timefmt import utc_iso
 
 SCHEMA = "replicheck.incident"
-SCHEMA_VERSION = 2
-"""Version written. 2 added the classifications ``data`` and ``divergence``: a reader of version 1
-would reject them as malformed, so they come with a version that such a reader names as
-unsupported (upgrade the controller first). Nothing else changed: version 1 is still read."""
-READABLE_VERSIONS: tuple[int, ...] = (1, 2)
+SCHEMA_VERSION = 3
+"""Newest version this build writes. 2 added the classifications ``data`` and ``divergence``: a
+reader of version 1 would reject them as malformed, so they come with a version that such a
+reader names as unsupported (upgrade the controller first). 3 added ``continuation`` (the job
+went on without the suspect's replica group): a version-2 reader would ignore the field and
+resume the whole job, so a record holding it is written as version 3, which such a reader
+refuses. A record without it is still written as version 2 (:func:`written_version`), so older
+controllers keep reading it. Versions 1 and 2 are still read."""
+READABLE_VERSIONS: tuple[int, ...] = (1, 2, 3)
 """Versions this build reads."""
 
 Check = Literal["replay", "gradients", "reduced_gradients", "weights", "optimizer_state", "optimizer_update"]
 Classification = Literal["persistent", "transient", "ambiguous", "data", "divergence"]
+ContinuationMode = Literal["no_restart"]
 JsonValue: TypeAlias = str | int | float | bool | None | Sequence["JsonValue"] | Mapping[str, "JsonValue"]
 """A value as JSON holds it (evidence of an incident is a mapping of these)."""
 
@@ -65,6 +70,11 @@ INCIDENT_ID = re.compile(r"(?=.{1,320}\Z)[A-Za-z0-9][A-Za-z0-9._:+-]*(?:/[A-Za-z
 """An incident id (``<job>-s<step>-<check>``; one ``/`` where the job id has one)."""
 CHECKPOINT_PATH = re.compile(r"[^\x00-\x1f\x7f-\x9f-][^\x00-\x1f\x7f-\x9f]{0,4095}")
 """A checkpoint path: printable, no control character, not option-like (no leading ``-``)."""
+REPLICA_GROUP = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+"""A replica group id in ``continuation`` (it reaches a launcher's argv: a plain name, no option)."""
+CONTINUATION_MODES: tuple[ContinuationMode, ...] = ("no_restart",)
+"""How a job may go on after an incident; ``no_restart``: the suspect's replica group left and
+the others took the next step without a restart (torchft replica groups, docs/no-restart.md)."""
 MAX_EVIDENCE_DEPTH = 32
 """Deepest nesting of lists and objects accepted anywhere in an incident."""
 MAX_STEP = 2**62
@@ -144,6 +154,39 @@ class Suspect:
 
 
 @dataclass(frozen=True)
+class Continuation:
+    """How the job went on after the incident, when it did not stop (incident version 3)."""
+
+    mode: ContinuationMode
+    """``no_restart``: the suspect's replica group left; the other groups carry on without a
+    restart, and recovery starts one replacement group that joins live (never a resume)."""
+    replica_group: str
+    """The replica group that left (its id as the job's launcher names it, for example torchft's
+    replica id): the one the replacement group takes the place of."""
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Continuation:
+        if not isinstance(data, Mapping):
+            raise IncidentFormatError(
+                "field 'continuation' must be an object "
+                '({"mode": "no_restart", "replica_group": ID}) or absent'
+            )
+        unknown = sorted(str(k) for k in data if k not in ("mode", "replica_group"))
+        if unknown:
+            raise IncidentFormatError(f"field 'continuation' has unknown key(s): {', '.join(unknown)}")
+        mode = data.get("mode")
+        for choice in CONTINUATION_MODES:
+            if mode == choice:
+                group = data.get("replica_group")
+                if not isinstance(group, str) or not group:
+                    raise IncidentFormatError("continuation 'replica_group' must be a non-empty string")
+                return cls(mode=choice, replica_group=group)
+        raise IncidentFormatError(
+            f"continuation 'mode' must be one of {', '.join(CONTINUATION_MODES)}; got {_short(mode)}"
+        )
+
+
+@dataclass(frozen=True)
 class Incident:
     """One detection, as the job saw it. Every rank holds an identical copy."""
 
@@ -180,11 +223,18 @@ class Incident:
     time: str = field(default_factory=utc_iso)
     """When the incident was raised, ISO 8601 with UTC offset."""
     version: int = SCHEMA_VERSION
-    """Schema version of this record."""
+    """Schema version this build reads it as (a record is written as :func:`written_version`)."""
+    continuation: Continuation | None = None
+    """Set when the job did not stop: it went on without the suspect's replica group
+    (``no_restart``), so recovery starts a replacement group instead of resuming the job. None
+    (absent from the JSON): the job stopped, as before version 3."""
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["schema"] = SCHEMA
+        data["version"] = written_version(self)
+        if self.continuation is None:
+            del data["continuation"]  # absent, so a version-2 reader sees today's record
         for key in ("suspect_ranks", "suspect_nodes", "suspects", "candidates", "checks_failed"):
             data[key] = list(data[key])
         return data
@@ -207,6 +257,14 @@ class Incident:
         classification = _req_classification(data)
         if version == 1 and classification not in HARDWARE_CLASSIFICATIONS:
             raise IncidentFormatError(f"classification {classification!r} needs incident version 2")
+        continuation = None
+        if data.get("continuation") is not None:
+            if version < 3:
+                raise IncidentFormatError(
+                    f"field 'continuation' needs incident version 3 (this record says {version}): "
+                    "a version-2 reader would ignore it and resume the whole job"
+                )
+            continuation = Continuation.from_dict(data["continuation"])
         return cls(
             id=_req_str(data, "id"),
             job_id=_req_str(data, "job_id"),
@@ -224,6 +282,7 @@ class Incident:
             checks_failed=tuple(_str_list(data, "checks_failed")),
             time=_req_time(data),
             version=SCHEMA_VERSION,
+            continuation=continuation,
         )
 
     @classmethod
@@ -236,6 +295,13 @@ class Incident:
         incident = cls.from_dict(load_json(text))
         validate_incident(incident)
         return incident
+
+
+def written_version(incident: Incident) -> int:
+    """The version an incident is written as: the oldest that holds its content (3 with a
+    ``continuation``, else 2), so a reader that cannot act on it right refuses it, and one
+    that can keeps reading it."""
+    return 3 if incident.continuation is not None else 2
 
 
 def load_json(text: str | bytes) -> Any:
@@ -282,6 +348,11 @@ def validate_incident(incident: Incident, *, now: _dt.datetime | None = None) ->
     _check_plain(incident.evidence, 1)
     if incident.recommended_checkpoint is not None:
         _check_plain(incident.recommended_checkpoint, 1)
+    if incident.continuation is not None:
+        cont = incident.continuation
+        if not isinstance(cont, Continuation) or cont.mode not in CONTINUATION_MODES:
+            raise IncidentFormatError("field 'continuation' must be a Continuation with a known mode")
+        _match(REPLICA_GROUP, cont.replica_group, "continuation replica_group")
     _match(JOB_ID, incident.job_id, "job_id")
     for number, name in (
         (incident.step, "step"),

@@ -46,6 +46,22 @@ class PermanentBackendError(BackendError):
     """A failure that retrying cannot fix (unknown node, invalid name, command missing)."""
 
 
+class JoinNotBuiltError(PermanentBackendError):
+    """The backend cannot start a replacement replica group yet: the path is designed
+    (docs/no-restart.md, "The controller's join action") but not built. The incident fails with
+    this message, for a person to start the group by hand; the job is never resumed instead."""
+
+    def __init__(self, backend: str, job_id: str, replica_group: str) -> None:
+        super().__init__(
+            f"the {backend} backend cannot start a replacement replica group yet (designed in "
+            f'docs/no-restart.md, "The controller\'s join action", not built): start one replacement '
+            f"for replica group {replica_group} of job {job_id} by hand; the job was not resumed"
+        )
+        self.backend = backend
+        self.job_id = job_id
+        self.replica_group = replica_group
+
+
 class NotYet(Exception):
     """An awaited condition (a replaced node coming back) does not hold yet; poll again later."""
 

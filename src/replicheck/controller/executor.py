@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from replicheck.controller.backends.base import Backend, ResumeRequest
+from replicheck.controller.backends.base import Backend, JoinRequest, ResumeRequest
 from replicheck.controller.config import ControllerConfig
 from replicheck.controller.errors import (
     NotYet,
@@ -130,6 +130,18 @@ class Executor:
                 allocation=None if allocation is None else tuple(str(n) for n in allocation),
             )
             return b.resume(request, key)
+        if row.kind is ActionKind.JOIN:
+            allocation = row.params.get("allocation")
+            join = JoinRequest(
+                row.incident_id,
+                str(row.params["job_id"]),
+                str(row.params["replica_group"]),
+                tuple(str(n) for n in row.params.get("nodes", ())),
+                tuple(str(n) for n in row.params.get("exclude", ())),
+                previous_attempt_at=row.started_at if row.status == "in_flight" else None,
+                allocation=None if allocation is None else tuple(str(n) for n in allocation),
+            )
+            return b.join(join, key)
         if node is None:
             raise PermanentBackendError(f"action {key} names no node")
         if row.kind is ActionKind.CORDON:

@@ -29,6 +29,9 @@ from replicheck.controller.policy import allocation_refusal
 from replicheck.incident import HARDWARE_CLASSIFICATIONS, Classification, Incident
 
 NEEDS_TRIAGE: frozenset[Classification] = frozenset({"ambiguous", "transient"})
+JOINS_LIVE: frozenset[Classification] = frozenset({"persistent", "transient"})
+"""Verdicts that name one suspect group, so a job that went on without it gets a replacement
+group that joins live. ``ambiguous`` (no group can be trusted alone) keeps the resume path."""
 
 _NO_NODE_NOTE = {
     "data": "another device reproduced the bad result, so the data or the model produces it",
@@ -50,14 +53,23 @@ def initial_record(incident: Incident, vouched_by: str = "") -> Record:
         names = []
     targets = tuple(dict.fromkeys(names))
     checkpoint = dict(incident.recommended_checkpoint) if incident.recommended_checkpoint else None
+    reason = f"{incident.classification} incident at step {incident.step} ({incident.check})"
+    continuation = None
+    cont = incident.continuation
+    if cont is not None and incident.classification in JOINS_LIVE:
+        continuation = {"mode": cont.mode, "replica_group": cont.replica_group}
+        reason += f"; the job went on without replica group {cont.replica_group} ({cont.mode})"
+    elif cont is not None:
+        reason += f"; continuation ignored: a {incident.classification} verdict takes the resume path"
     return Record(
         incident_id=incident.id,
         job_id=incident.job_id,
         classification=incident.classification,
         targets=targets,
         checkpoint=checkpoint,
-        reason=f"{incident.classification} incident at step {incident.step} ({incident.check})",
+        reason=reason,
         vouched_by=vouched_by,
+        continuation=continuation,
     )
 
 
@@ -105,6 +117,8 @@ def _record_outcome(record: Record, event: ActionDone) -> Record:
             r = r.evolve(returned=r.returned + (entry,))
     elif event.kind is ActionKind.RESUME:
         r = r.evolve(resume=dict(outcome))
+    elif event.kind is ActionKind.JOIN:
+        r = r.evolve(joined=dict(outcome))
     elif event.kind is ActionKind.VERIFY and r.allocation is None and not r.unverified:
         nodes = outcome.get("allocation")
         if isinstance(nodes, (list, tuple)):
@@ -270,6 +284,8 @@ def _on_tick(record: Record, tick: Tick) -> Step:
             )
             return _wait(record, actions, f"waiting for {', '.join(waiting)} to come back")
         return _move(record, State.REPLACED, _return_summary(record))
+    if state is State.REPLACED and record.continuation is not None:
+        return _join_replacement(record)
     if state is State.REPLACED:
         if record.resume is None:
             exclude = [n for n, is_back, _ in record.returned if not is_back]
@@ -290,6 +306,34 @@ def _on_tick(record: Record, tick: Tick) -> Step:
             return _wait(record, actions, f"uncordoning {', '.join(record.cordoned)}")
         return _move(record, State.UNCORDONED, "dismissed; no node left cordoned by this incident")
     return Step(record)
+
+
+def _join_replacement(record: Record) -> Step:
+    """The job never stopped: start one replacement group for the suspect's replica group on
+    the nodes that took the replaced ones' place, and never resume (restart) the job."""
+    group = str((record.continuation or {}).get("replica_group", ""))
+    if record.joined is None:
+        nodes = [repl if repl else node for node, back, repl in record.returned if back or repl]
+        exclude = [n for n, is_back, repl in record.returned if not is_back]
+        action = _action(
+            record,
+            ActionKind.JOIN,
+            None,
+            job_id=record.job_id,
+            replica_group=group,
+            nodes=list(dict.fromkeys(nodes)),
+            exclude=exclude,
+            allocation=None if record.allocation is None else list(record.allocation),
+        )
+        return _wait(
+            record, (action,), f"starting a replacement for replica group {group} of job {record.job_id}"
+        )
+    detail = str(record.joined.get("detail") or record.joined)
+    return _move(
+        record,
+        State.JOINED,
+        f"replacement for replica group {group} started to join job {record.job_id} live (not resumed): {detail}",
+    )
 
 
 def _not_verified(record: Record) -> str:

@@ -22,6 +22,9 @@ class State(str, enum.Enum):
     REPLACING = "replacing"
     REPLACED = "replaced"
     RESUMED = "resumed"
+    JOINED = "joined"
+    """A replacement replica group was started to join the running job live (``no_restart``
+    incidents): the job was never stopped or resumed."""
     DISMISSED = "dismissed"
     UNCORDONED = "uncordoned"
     FAILED = "failed"
@@ -29,7 +32,7 @@ class State(str, enum.Enum):
     """The incident's job or nodes could not be verified against the backend: nothing was done."""
 
 
-TERMINAL = frozenset({State.RESUMED, State.UNCORDONED, State.REFUSED})
+TERMINAL = frozenset({State.RESUMED, State.JOINED, State.UNCORDONED, State.REFUSED})
 """States in which nothing more happens. ``failed`` waits for a human (dismiss)."""
 
 DISMISSABLE = frozenset(
@@ -56,9 +59,14 @@ class ActionKind(str, enum.Enum):
     RESUME = "resume"
     VERIFY = "verify"
     """Ask the backend for the job's allocation (read-only, so it runs in dry-run too)."""
+    JOIN = "join_replacement"
+    """Start one replacement replica group that joins the running job live (instead of RESUME,
+    for an incident whose job went on without the suspect's group: ``continuation``)."""
 
 
-DESTRUCTIVE = frozenset({ActionKind.CORDON, ActionKind.UNCORDON, ActionKind.REPLACE, ActionKind.RESUME})
+DESTRUCTIVE = frozenset(
+    {ActionKind.CORDON, ActionKind.UNCORDON, ActionKind.REPLACE, ActionKind.RESUME, ActionKind.JOIN}
+)
 """Actions held back in dry-run mode."""
 
 
@@ -73,7 +81,7 @@ class Action:
     kind: ActionKind
     """What to do."""
     node: str | None = None
-    """The node acted on (None for resume)."""
+    """The node acted on (None for resume and join: they act on the job)."""
     params: Mapping[str, Any] = field(default_factory=dict)
     """Kind-specific parameters (JSON values)."""
 
@@ -120,6 +128,12 @@ class Record:
     returned: tuple[tuple[str, bool, str | None], ...] = ()
     """(node, back, replacement node name if a different one took its place)."""
     resume: Mapping[str, Any] | None = None
+    continuation: Mapping[str, str] | None = None
+    """The incident's ``continuation`` (``{"mode": "no_restart", "replica_group": ID}``) when the
+    job went on without the suspect's replica group: recovery joins a replacement group instead
+    of resuming the job. None: today's path (also for ambiguous, data and divergence incidents)."""
+    joined: Mapping[str, Any] | None = None
+    """What the backend reported for the replacement group's start (None: not started yet)."""
     reason: str = ""
     """Why the record is in its current state (or why it is waiting)."""
     vouched_by: str = ""

@@ -477,6 +477,7 @@ class Store:
         for record in self.list_records():
             if record.incident_id != exclude_incident and record.state not in (
                 State.RESUMED,
+                State.JOINED,
                 State.UNCORDONED,
             ):
                 held.update(record.cordoned)

@@ -55,6 +55,26 @@ class ResumeRequest:
     tell a job id reused by another job from the incident's job compares against it."""
 
 
+@dataclass(frozen=True)
+class JoinRequest:
+    """What starting one replacement replica group needs: which job (still running, never
+    restarted), which group it replaces, on which nodes."""
+
+    incident_id: str
+    job_id: str
+    replica_group: str
+    """The replica group that left (the incident's ``continuation``); the replacement takes its id."""
+    nodes: tuple[str, ...]
+    """Nodes that took the replaced ones' place (or came back); empty: the backend picks."""
+    exclude: tuple[str, ...]
+    """Replaced nodes that are not back: the replacement group must not use them."""
+    previous_attempt_at: str | None = None
+    """When an earlier attempt of this join started whose outcome was never recorded (the
+    controller stopped during the call), ISO time; None when no attempt is in doubt."""
+    allocation: tuple[str, ...] | None = None
+    """The job's nodes as the backend reported them when the incident was verified."""
+
+
 class Backend(Protocol):
     """What the executor needs from a cluster. ``key`` is the action's idempotency key."""
 
@@ -73,6 +93,10 @@ class Backend(Protocol):
         """``{"back": bool, "replacement": name|None}``; raise NotYet while still away."""
 
     def resume(self, request: ResumeRequest, key: str) -> Mapping[str, Any]: ...
+
+    def join(self, request: JoinRequest, key: str) -> Mapping[str, Any]:
+        """Start one replacement replica group that joins the running job live (never a restart
+        of the job). Raise :class:`JoinNotBuiltError` where the path is designed but not built."""
 
     def schedulable_by_partition(self, node: str) -> Mapping[str, Sequence[str]]:
         """For each partition containing ``node``: its currently schedulable nodes."""

@@ -20,9 +20,21 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from replicheck.controller.backends.base import Backend, NodeInfo, ResumeRequest, validate_node_name
+from replicheck.controller.backends.base import (
+    Backend,
+    JoinRequest,
+    NodeInfo,
+    ResumeRequest,
+    validate_node_name,
+)
 from replicheck.controller.backends.extras import missing_extra
-from replicheck.controller.errors import ConfigError, NotYet, PermanentBackendError, TransientBackendError
+from replicheck.controller.errors import (
+    ConfigError,
+    JoinNotBuiltError,
+    NotYet,
+    PermanentBackendError,
+    TransientBackendError,
+)
 
 EXTRA = "hyperpod"
 BATCH_LIMIT = 25
@@ -201,6 +213,13 @@ class HyperPodBackend:
         if self._orchestrator is not None:
             return self._orchestrator.resume(request, key)
         return {"detail": "orchestrator=none: the job restarts by its own means"}
+
+    def join(self, request: JoinRequest, key: str) -> Mapping[str, Any]:
+        # The replacement group is started by the orchestrator (Slurm or Kubernetes); HyperPod
+        # only swaps the instance.
+        if self._orchestrator is not None:
+            return self._orchestrator.join(request, key)
+        raise JoinNotBuiltError("hyperpod (orchestrator=none)", request.job_id, request.replica_group)
 
     # --- replacement ------------------------------------------------------------------------
 

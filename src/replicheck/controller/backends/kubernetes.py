@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from replicheck.controller.backends import kube_triage
-from replicheck.controller.backends.base import NodeInfo, ResumeRequest, validate_node_name
+from replicheck.controller.backends.base import JoinRequest, NodeInfo, ResumeRequest, validate_node_name
 from replicheck.controller.backends.kube_api import KubeApi, KubeConflict, KubeNotFound, import_client
 from replicheck.controller.backends.kube_config import (
     ANN_ADDED,
@@ -37,7 +37,13 @@ from replicheck.controller.backends.kube_config import (
     UNSCHEDULABLE_TAINT,
     KubernetesConfig,
 )
-from replicheck.controller.errors import ConfigError, NotYet, PermanentBackendError, TransientBackendError
+from replicheck.controller.errors import (
+    ConfigError,
+    JoinNotBuiltError,
+    NotYet,
+    PermanentBackendError,
+    TransientBackendError,
+)
 from replicheck.timefmt import utc_iso_us
 
 # The config and the names written on nodes live in kube_config; importable from here too.
@@ -310,6 +316,10 @@ class KubernetesBackend:
             if info.schedulable and group in info.partitions and info.name != name:
                 return info.name
         raise PermanentBackendError(f"no healthy node to compare {name}'s self-test with")
+
+    def join(self, request: JoinRequest, key: str) -> Mapping[str, Any]:
+        """Designed, not built (docs/no-restart.md, "The controller's join action")."""
+        raise JoinNotBuiltError("kubernetes", request.job_id, request.replica_group)
 
     def resume(self, request: ResumeRequest, key: str) -> Mapping[str, Any]:
         mode = self.config.resume_mode

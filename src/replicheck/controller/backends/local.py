@@ -1,26 +1,31 @@
 """``local``: a simulated cluster kept in SQLite (by default the controller's own file).
 
 Nodes are active or spare; ``replace`` retires a node and swaps a spare into its partition;
-``resume`` records the request so a demo can restart training itself. Every effective
-operation is logged in ``sim_ops`` under its action key, which is what makes repeated calls
-no-ops and what tests count.
+``resume`` records the request so a demo can restart training itself; ``join`` starts the job's
+registered replacement command (one replica group, as a real process) or, with none registered,
+records the request for a demo to start. Every effective operation is logged in ``sim_ops``
+under its action key, which is what makes repeated calls no-ops and what tests count.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
+import subprocess
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from replicheck.controller.backends.base import (
+    JoinRequest,
     NodeInfo,
     ResumeRequest,
     validate_node_name,
 )
 from replicheck.controller.errors import PermanentBackendError
+from replicheck.incident import INCIDENT_ID, JOB_ID, REPLICA_GROUP
 from replicheck.timefmt import utc_iso_us
 
 _SCHEMA = """
@@ -34,7 +39,17 @@ CREATE TABLE IF NOT EXISTS sim_resumes (
     exclude TEXT NOT NULL, nodes TEXT NOT NULL, at TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS sim_jobs (
     job_id TEXT PRIMARY KEY, nodes TEXT NOT NULL, state TEXT NOT NULL DEFAULT 'running');
+CREATE TABLE IF NOT EXISTS sim_join_commands (job_id TEXT PRIMARY KEY, argv TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS sim_joins (
+    key TEXT PRIMARY KEY, incident_id TEXT NOT NULL, job_id TEXT NOT NULL, replica_group TEXT NOT NULL,
+    node TEXT NOT NULL, argv TEXT, pid INTEGER, status TEXT NOT NULL, at TEXT NOT NULL);
 """
+
+JOIN_MARKER = "REPLICHECK_JOIN_KEY"
+"""Environment variable a replacement group started by :meth:`LocalBackend.join` carries (the
+action key): a controller that stopped between starting it and recording it finds it by this."""
+JOIN_PLACEHOLDERS = ("{job_id}", "{replica_group}", "{node}", "{incident}")
+"""What a registered join command may name; each value is checked against its grammar first."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,6 +62,25 @@ class ResumeRecord(ResumeRequest):
     """Active, schedulable nodes of the simulated cluster after the replacement."""
     at: str
     """When the request was received (ISO time)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class JoinRecord:
+    """A replacement group the local backend started (or, with no command registered, was asked
+    to start)."""
+
+    incident_id: str
+    job_id: str
+    replica_group: str
+    node: str
+    """Where it runs: the node that took the replaced one's place."""
+    argv: tuple[str, ...] | None
+    """The command started (None: no join command registered; the request is only recorded)."""
+    pid: int | None
+    """Its process id (None while in doubt or when nothing was started)."""
+    status: str
+    """``started``, ``requested`` (recorded only) or ``starting`` (a start in doubt)."""
+    at: str
 
 
 class LocalBackend:
@@ -75,13 +109,33 @@ class LocalBackend:
             (name, partition, "spare" if spare else "active", int(healthy)),
         )
 
-    def add_job(self, job_id: str, nodes: Sequence[str]) -> None:
-        """Register a running job on ``nodes`` (its allocation); registering again replaces it."""
+    def add_job(
+        self, job_id: str, nodes: Sequence[str], *, join_command: Sequence[str] | None = None
+    ) -> None:
+        """Register a running job on ``nodes`` (its allocation); registering again replaces it.
+
+        ``join_command``: the argv that starts one replica group of this job, run by
+        :meth:`join` (no shell) with ``{job_id}``, ``{replica_group}``, ``{node}`` and
+        ``{incident}`` replaced; it is the operator's, never the incident's."""
         names = [validate_node_name(n) for n in nodes]
-        self._db.execute(
-            "INSERT OR REPLACE INTO sim_jobs(job_id, nodes, state) VALUES(?, ?, 'running')",
-            (job_id, json.dumps(names)),
-        )
+        argv = None if join_command is None else [str(a) for a in join_command]
+        if argv is not None and not argv:
+            raise ValueError("join_command must name a program")
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            self._db.execute(
+                "INSERT OR REPLACE INTO sim_jobs(job_id, nodes, state) VALUES(?, ?, 'running')",
+                (job_id, json.dumps(names)),
+            )
+            if argv is not None:
+                self._db.execute(
+                    "INSERT OR REPLACE INTO sim_join_commands(job_id, argv) VALUES(?, ?)",
+                    (job_id, json.dumps(argv)),
+                )
+            self._db.execute("COMMIT")
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
 
     def end_job(self, job_id: str) -> None:
         """The job ended; its allocation is still reported, as Slurm's accounting would."""
@@ -110,6 +164,25 @@ class LocalBackend:
                 at=at,
             )
             for i, j, c, e, n, at in rows
+        ]
+
+    def join_requests(self) -> list[JoinRecord]:
+        rows = self._db.execute(
+            "SELECT incident_id, job_id, replica_group, node, argv, pid, status, at FROM sim_joins "
+            "ORDER BY at, key"
+        )
+        return [
+            JoinRecord(
+                incident_id=i,
+                job_id=j,
+                replica_group=g,
+                node=n,
+                argv=None if a is None else tuple(json.loads(a)),
+                pid=pid,
+                status=st,
+                at=at,
+            )
+            for i, j, g, n, a, pid, st, at in rows
         ]
 
     def list_nodes(self) -> list[NodeInfo]:
@@ -221,6 +294,154 @@ class LocalBackend:
             raise
         return result
 
+    def join(self, request: JoinRequest, key: str) -> Mapping[str, Any]:
+        done = self._op(key)
+        if done is not None:
+            return done
+        group, job_id = request.replica_group, request.job_id
+        for value, pattern, what in (
+            (group, REPLICA_GROUP, "replica group"),
+            (job_id, JOB_ID, "job id"),
+            (request.incident_id, INCIDENT_ID, "incident id"),
+        ):
+            if pattern.fullmatch(value) is None:
+                raise PermanentBackendError(f"refusing to start a replacement: invalid {what} {value!r}")
+        job = self._db.execute("SELECT state FROM sim_jobs WHERE job_id=?", (job_id,)).fetchone()
+        if job is None or job[0] != "running":
+            why = "is not known" if job is None else f"is {job[0]}"
+            raise PermanentBackendError(
+                f"job {job_id} {why}: a replacement for replica group {group} cannot join it live; "
+                "nothing started and the job was not resumed"
+            )
+        previous = self._db.execute("SELECT node, argv, status FROM sim_joins WHERE key=?", (key,)).fetchone()
+        if previous is not None:
+            # An earlier call began starting the group and its outcome was never recorded.
+            return self._settle_in_doubt(request, key, previous[0], previous[1])
+        node = self._join_node(request)
+        row = self._db.execute("SELECT argv FROM sim_join_commands WHERE job_id=?", (job_id,)).fetchone()
+        now = utc_iso_us()
+        if row is None:
+            # Like resume: the request is recorded for whoever drives the simulation (a demo).
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                self._insert_join(key, request, node, None, None, "requested", now)
+                detail = (
+                    f"replacement for replica group {group} requested on {node} (no join command registered)"
+                )
+                result = self._log(
+                    key, "join", None, {"detail": detail, "node": node, "replica_group": group}
+                )
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            return result
+        values = dict(zip(JOIN_PLACEHOLDERS, (job_id, group, node, request.incident_id), strict=True))
+        argv = [_fill(str(a), values) for a in json.loads(row[0])]
+        # Committed before the process starts: a crash after the start leaves this row, and the
+        # next call looks for the process instead of starting a second group.
+        self._insert_join(key, request, node, argv, None, "starting", now)
+        env = {**os.environ, JOIN_MARKER: key, "REPLICHECK_REPLICA_GROUP": group, "REPLICHECK_NODE": node}
+        try:
+            pid = self._spawn(argv, env)
+        except OSError as exc:
+            # Nothing started: the next attempt may try again.
+            self._db.execute("DELETE FROM sim_joins WHERE key=? AND status='starting'", (key,))
+            raise PermanentBackendError(f"cannot start the replacement group ({argv[0]}): {exc}") from exc
+        return self._record_started(key, request, node, argv, pid)
+
+    def _spawn(self, argv: Sequence[str], env: Mapping[str, str]) -> int:
+        """Start the replacement group's command, detached (its own session), and return its pid."""
+        proc = subprocess.Popen(
+            list(argv),
+            env=dict(env),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        return proc.pid
+
+    def _settle_in_doubt(
+        self, request: JoinRequest, key: str, node: str, argv_json: str | None
+    ) -> Mapping[str, Any]:
+        argv = None if argv_json is None else [str(a) for a in json.loads(argv_json)]
+        pid = _find_marked_process(key)
+        if pid is not None and argv is not None:
+            return self._record_started(key, request, node, argv, pid)
+        raise PermanentBackendError(
+            f"the start of a replacement for replica group {request.replica_group} of job "
+            f"{request.job_id} on {node} was begun and never recorded, and no process carrying its "
+            f"marker ({JOIN_MARKER}) runs: it may have started and exited. Not started again (at most "
+            "once): check the job and start the group by hand if it is missing"
+        )
+
+    def _record_started(
+        self, key: str, request: JoinRequest, node: str, argv: Sequence[str], pid: int
+    ) -> Mapping[str, Any]:
+        group = request.replica_group
+        detail = f"replacement for replica group {group} started on {node} (pid {pid})"
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            self._db.execute("UPDATE sim_joins SET pid=?, status='started' WHERE key=?", (pid, key))
+            # The replacement node now belongs to the job: a later incident naming it verifies.
+            row = self._db.execute("SELECT nodes FROM sim_jobs WHERE job_id=?", (request.job_id,)).fetchone()
+            if row is not None and node not in json.loads(row[0]):
+                nodes = [*json.loads(row[0]), node]
+                self._db.execute(
+                    "UPDATE sim_jobs SET nodes=? WHERE job_id=?", (json.dumps(nodes), request.job_id)
+                )
+            result = self._log(
+                key,
+                "join",
+                None,
+                {"detail": detail, "node": node, "pid": pid, "replica_group": group, "argv": list(argv)},
+            )
+            self._db.execute("COMMIT")
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        return result
+
+    def _insert_join(
+        self,
+        key: str,
+        request: JoinRequest,
+        node: str,
+        argv: Sequence[str] | None,
+        pid: int | None,
+        status: str,
+        at: str,
+    ) -> None:
+        self._db.execute(
+            "INSERT INTO sim_joins(key, incident_id, job_id, replica_group, node, argv, pid, status, at) "
+            "VALUES(?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (
+                key,
+                request.incident_id,
+                request.job_id,
+                request.replica_group,
+                node,
+                None if argv is None else json.dumps(list(argv)),
+                pid,
+                status,
+                at,
+            ),
+        )
+
+    def _join_node(self, request: JoinRequest) -> str:
+        """The node the replacement group runs on: the first that took a replaced one's place
+        (it must be active), else any schedulable node the request does not exclude."""
+        for name in request.nodes:
+            if self._node(name)["role"] == "active":
+                return name
+        for node in self.list_nodes():
+            if node.schedulable and node.name not in request.exclude:
+                return node.name
+        raise PermanentBackendError(
+            f"no active node to start the replacement for replica group {request.replica_group} on"
+        )
+
     def allocation(self, job_id: str) -> frozenset[str] | None:
         row = self._db.execute("SELECT nodes FROM sim_jobs WHERE job_id=?", (job_id,)).fetchone()
         return None if row is None else frozenset(json.loads(row[0]))
@@ -257,3 +478,30 @@ class LocalBackend:
             (key, kind, node, json.dumps(dict(result), sort_keys=True), utc_iso_us()),
         )
         return result
+
+
+def _fill(arg: str, values: Mapping[str, str]) -> str:
+    # Plain replacement of the known placeholders (never str.format: an argument is data).
+    for token, value in values.items():
+        arg = arg.replace(token, value)
+    return arg
+
+
+def _find_marked_process(key: str) -> int | None:
+    """The pid of a live process whose environment carries ``JOIN_MARKER=key`` (Linux /proc)."""
+    wanted = f"{JOIN_MARKER}={key}".encode()
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return None
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as fh:
+                environ = fh.read().split(b"\0")
+        except OSError:
+            continue  # gone, or another user's
+        if wanted in environ:
+            return int(entry)
+    return None

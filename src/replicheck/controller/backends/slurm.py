@@ -14,13 +14,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from replicheck.controller.backends.base import (
+    JoinRequest,
     NodeInfo,
     ResumeRequest,
     validate_node_name,
 )
 from replicheck.controller.backends.commands import CommandRunner, classify
 from replicheck.controller.backends.slurm_triage import SlurmTriage, SlurmTriageConfig
-from replicheck.controller.errors import ConfigError, NotYet, PermanentBackendError
+from replicheck.controller.errors import ConfigError, JoinNotBuiltError, NotYet, PermanentBackendError
 from replicheck.incident import CHECKPOINT_PATH, INCIDENT_ID, JOB_ID
 
 _SEP = "|#|"
@@ -366,6 +367,10 @@ class SlurmBackend:
                 f"self-test on {node} could not run (exit {out.returncode}): {json.dumps(data.get('devices'))[:300]}"
             )
         return data
+
+    def join(self, request: JoinRequest, key: str) -> Mapping[str, Any]:
+        """Designed, not built (docs/no-restart.md, "The controller's join action")."""
+        raise JoinNotBuiltError("slurm", request.job_id, request.replica_group)
 
     # --- resuming the job -------------------------------------------------------------------
 

@@ -62,6 +62,14 @@ def consequences(view: IncidentView, config: ControllerConfig, applies: bool | N
         f"takes each one's place; the controller waits up to {hours:g} h), then job {r.job_id} is "
         f"resumed {where}, without {nodes}."
     )
+    if r.continuation is not None:
+        group = r.continuation.get("replica_group")
+        approve = (
+            f"Node(s) {nodes} will be taken out of service and replaced (a spare or the repaired node "
+            f"takes each one's place; the controller waits up to {hours:g} h), then one replacement "
+            f"for replica group {group} starts there and joins job {r.job_id} live. The job, which "
+            f"went on without that group, is not restarted or resumed."
+        )
     if len(r.targets) > config.max_replacements:
         approve += (
             f" Note: this needs {len(r.targets)} replacements but the policy allows "
@@ -81,6 +89,7 @@ def consequences(view: IncidentView, config: ControllerConfig, applies: bool | N
         State.DISMISSED: f"Dismissed by {r.dismissed_by} at {r.dismissed_at}; {r.reason}.",
         State.UNCORDONED: f"Dismissed by {r.dismissed_by}; closed: {r.reason}.",
         State.RESUMED: f"Closed: {r.reason}.",
+        State.JOINED: f"Closed: {r.reason}.",
         State.REFUSED: (
             f"Refused: nothing was done and nothing will be ({r.reason}). If job {r.job_id} really "
             "runs on these nodes, check how the cluster reports its allocation, then act by hand."

@@ -9,7 +9,7 @@ const GROUPS = [
   ["Failed: a person must look", ["failed"]],
   ["Refused: not the job's own nodes, or the job could not be checked; nothing was done", ["refused"]],
   ["In progress", ["detected", "cordoned", "triaging", "approved", "replacing", "replaced", "dismissed"]],
-  ["Closed", ["resumed", "uncordoned"]],
+  ["Closed", ["resumed", "joined", "uncordoned"]],
 ];
 let pending = null;   // the decision awaiting confirmation: {decision, expect}
 let current = null;   // the incident shown
