@@ -13,6 +13,7 @@ lighthouse and gloo, one rank per replica group, each group its own process and 
 
 from __future__ import annotations
 
+import json
 import os
 import time
 import traceback
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from replicheck.harness.launch import _context
+from replicheck.incident import Continuation, read_incident
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -237,11 +239,16 @@ def _clean_reference(schedule: list[list[int]]) -> dict[str, torch.Tensor]:
 @pytest.mark.timeout(120)
 def test_the_named_group_leaves_with_87_and_the_others_retake_the_step(leave: dict[str, Any]) -> None:
     """Detection at ONSET (the first verification after the fault's onset) names group 1 in an
-    incident; no group commits ONSET then; group 1 exits 87; groups 0 and 2 commit ONSET next, with
-    2 participants, in the processes they started in, and every planned step once."""
+    incident that says the job goes on without it (continuation no_restart, replica group
+    group1, incident version 3); no group commits ONSET then; group 1 exits 87; groups 0 and 2
+    commit ONSET next, with 2 participants, in the processes they started in, and every planned
+    step once."""
     recs = leave["records"]
     assert leave["exitcodes"] == [0, EXIT_SUSPECT, 0]
     assert len(leave["incidents"]) == 1
+    written = read_incident(leave["incidents"][0])
+    assert written.continuation == Continuation(mode="no_restart", replica_group=f"group{FAULTY}")
+    assert json.loads(leave["incidents"][0].read_text())["version"] == 3
     suspect = recs[FAULTY]
     assert suspect["exit"] == EXIT_SUSPECT
     assert _committed(suspect) == list(range(ONSET))
@@ -314,6 +321,8 @@ def test_two_groups_are_ambiguous_and_both_stop(tmp_path: Path) -> None:
         assert r["stopped"]["classification"] == "ambiguous"
         assert _committed(r) == list(range(ONSET))
     assert len(run["incidents"]) == 1
+    # Today's stop: the controller resumes the job from a checkpoint, so no continuation.
+    assert read_incident(run["incidents"][0]).continuation is None
 
 
 @pytest.mark.timeout(120)

@@ -23,6 +23,7 @@ Needs ``pip install 'replicheck[torchft]'``.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -35,7 +36,7 @@ from replicheck.guard import CorruptionDetected, Guard, GuardConfig, StepResult
 from replicheck.guard.errors import GuardError
 from replicheck.guard.loss import LossFn
 from replicheck.guard.parallel.torchft import TorchftReplicas
-from replicheck.incident import Incident
+from replicheck.incident import Continuation, Incident, write_incident
 from replicheck.integrations import require
 
 log = logging.getLogger(__name__)
@@ -74,7 +75,15 @@ class TorchftGuard:
     :attr:`model` is what the loss function is called with in training passes). ``pg`` is the
     process group given to ``manager``. ``optimizer`` is the plain torch optimizer (not
     ``torchft.Optimizer``: the commit vote is asked here). ``node`` names this replica group in
-    incidents (default: the host's node name from the environment).
+    incidents (default: the host's node name from the environment); name it after the replica
+    group (torchft's replica id), because the incident's ``continuation`` names the group that left
+    by it and the controller starts the replacement group under that id.
+
+    The incident of a verdict that sends a group out carries ``continuation`` (mode
+    ``no_restart``, the suspect's node name as ``replica_group``; incident version 3), so the
+    controller starts one replacement group after approval instead of resuming a job that never
+    stopped. Any other verdict's incident is today's record. Either is written to
+    ``config.incident_dir`` by the lowest quorum rank the verdict does not name.
     """
 
     def __init__(
@@ -91,7 +100,10 @@ class TorchftGuard:
         self.manager = manager
         self.replicas = TorchftReplicas(manager, pg, module)
         self._optimizer, self._loss_fn = optimizer, loss_fn
-        self._config = config if config is not None else GuardConfig()
+        cfg = config if config is not None else GuardConfig()
+        # The incident is written here, once the verdict's consequence (leave or stop) is known.
+        self._incident_dir, self._incident_mode = cfg.incident_dir, cfg.incident_mode
+        self._config = dataclasses.replace(cfg, incident_dir=None)
         self._node = node
         self._guard: Guard | None = None
         self._quorum: tuple[object, int, int] | None = None
@@ -188,22 +200,43 @@ class TorchftGuard:
         suspects = set(incident.suspect_ranks)
         left = n - len(suspects)
         minimum = int(getattr(self.manager, "_min_replica_size", 1))
-        if incident.classification not in _LEAVES or not suspects or left < max(minimum, 1):
+        if (
+            incident.classification not in _LEAVES
+            or len(suspects) != 1
+            or len(incident.suspect_nodes) != 1
+            or left < max(minimum, 1)
+        ):
             # Today's stop: no group can be trusted alone (ambiguous), the batch or the run is at
-            # fault rather than a device (data, divergence), or too few groups would be left.
+            # fault rather than a device (data, divergence), more than one group is named (one
+            # replacement at a time), or too few groups would be left.
+            self._write(incident)
             raise exc
+        incident = dataclasses.replace(
+            incident, continuation=Continuation(mode="no_restart", replica_group=incident.suspect_nodes[0])
+        )
+        self._write(incident)
         if self.replicas.comm.rank in suspects:
             log.error("step %d: this replica group is named (%s); it leaves the quorum", s, incident.id)
             # Stop heartbeating at once (the lighthouse drops a silent group), then 87 as today.
             self.manager.shutdown(wait=False)
             exit_on_corruption(incident)
         log.warning(
-            "step %d: replica group(s) %s named (%s); the step is taken again without them",
+            "step %d: replica group %s named (%s); the step is taken again without it",
             s,
-            ", ".join(incident.suspect_nodes),
+            incident.suspect_nodes[0],
             incident.id,
         )
         return TorchftStep(step=s, committed=False, participants=n, incident=incident)
+
+    def _write(self, incident: Incident) -> None:
+        """The incident file, from the lowest quorum rank the verdict does not name."""
+        if self._incident_dir is None:
+            return
+        named = set(incident.suspect_ranks)
+        writer = min((r for r in range(self.replicas.comm.world_size) if r not in named), default=0)
+        if self.replicas.comm.rank == writer:
+            path = write_incident(incident, self._incident_dir, mode=self._incident_mode)
+            log.error("incident %s written to %s", incident.id, path)
 
 
 __all__ = ["TorchftGuard", "TorchftStep"]
