@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -12,10 +13,21 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--scenario", default="aws-persistent-3n", help="campaign scenario to play")
     p.add_argument(
         "--out",
-        default="demo-out",
-        help="output directory: new, empty, or an earlier demo's (a non-empty other directory is refused)",
+        default=None,
+        help="output directory: new, empty, or an earlier demo's (a non-empty other directory is refused); "
+        "default demo-out, or demo-out-no-restart with --no-restart",
     )
-    p.add_argument("--steps", type=int, default=40)
+    p.add_argument(
+        "--steps", type=int, default=None, help="training length (default 40; 60 with --no-restart)"
+    )
+    p.add_argument(
+        "--no-restart",
+        action="store_true",
+        help="torchft replica groups: the faulty group leaves, training goes on, a spare joins live "
+        "after approval; compared with today's checkpoint resume (needs replicheck[torchft])",
+    )
+    p.add_argument("--onset", type=int, default=23, help="--no-restart: the fault's first step")
+    p.add_argument("--verify-every", type=int, default=10, help="--no-restart: the guard's replay period")
     p.add_argument("--yes", action="store_true", help="approve without asking (also when no terminal)")
     p.add_argument("--json", action="store_true", help="print the facts as JSON at the end")
     p.add_argument(
@@ -35,10 +47,13 @@ def run(args: argparse.Namespace) -> int:
         return input(prompt).strip().lower() in ("y", "yes")
 
     interactive = sys.stdin.isatty() and not args.yes
+    if args.no_restart:
+        return _no_restart(args, ask if interactive else None, interactive)
+    args.out = args.out or "demo-out"
     cfg = DemoConfig(
         scenario=args.scenario,
         out_dir=args.out,
-        steps=args.steps,
+        steps=args.steps or 40,
         approve=ask if interactive else None,
         approver="operator" if interactive else "demo --yes",
     )
@@ -60,6 +75,31 @@ def run(args: argparse.Namespace) -> int:
     if args.serve:
         return _serve(args) or status
     return status
+
+
+def _no_restart(args: argparse.Namespace, ask: Callable[[str], bool] | None, interactive: bool) -> int:
+    from replicheck.demo import DemoError
+    from replicheck.demo_no_restart import NoRestartConfig, run_no_restart_demo
+
+    if args.serve:
+        print("replicheck demo: error: --serve is not offered with --no-restart", file=sys.stderr)
+        return 2
+    cfg = NoRestartConfig(
+        out_dir=args.out or "demo-out-no-restart",
+        steps=args.steps or 60,
+        onset=args.onset,
+        verify_every=args.verify_every,
+        approve=ask,
+        approver="operator" if interactive else "demo --yes",
+    )
+    try:
+        facts = run_no_restart_demo(cfg)
+    except DemoError as exc:
+        print(f"replicheck demo: error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({k: v for k, v in facts.items() if k != "timeline"}, indent=2, default=str))
+    return 0 if facts["ok"] else 1
 
 
 def _serve(args: argparse.Namespace) -> int:
