@@ -164,6 +164,12 @@ class _Member:
     """The manager's ``min_replica_size``: 2 lets a group leave; 3 makes a departure today's stop."""
     seed: int = 0
     fault_onset: int | None = None
+    fault_until: int | None = None
+    """Remove the fault before this step (the reference run: the window the demo applied)."""
+    leave_at: int | None = None
+    """Shut down cleanly before this step (the reference run: group 1 leaving without a verdict)."""
+    holding: str | None = None
+    """Create this file when the hold begins (the reference run starts its spare then)."""
     hold_step: int | None = None
     """Wait before this step until ``ready`` or ``no_join`` exists (the spare is coming, or not)."""
     ready: str | None = None
@@ -244,15 +250,28 @@ def _train(m: _Member, start: Any | None, record: dict[str, Any]) -> None:
         verify_every=m.verify_every, weights_every=m.verify_every, incident_dir=m.incidents, job_id=JOB_ID
     )
     tg = TorchftGuard(manager, pg, net, opt, _loss, config, node=m.name)
+    fault = None
     if m.fault_onset is not None:
-        _fault().persistent(from_step=m.fault_onset).install(net, optimizer=opt, rank=m.shard, world_size=3)
+        fault = (
+            _fault()
+            .persistent(from_step=m.fault_onset)
+            .install(net, optimizer=opt, rank=m.shard, world_size=3)
+        )
     if start is not None:
         start.wait(timeout=m.timeout_s)  # every group heartbeats before any asks for the first quorum
     if m.announce and m.ready is not None:
         Path(m.ready).write_text(str(os.getpid()))
     held = False
     while manager.current_step() < m.steps:
+        if fault is not None and m.fault_until is not None and manager.current_step() >= m.fault_until:
+            fault.remove()
+            fault = None
+        if m.leave_at is not None and manager.current_step() >= m.leave_at:
+            record["left_at"] = manager.current_step()
+            break
         if m.hold_step is not None and not held and manager.current_step() >= m.hold_step:
+            if m.holding is not None:
+                Path(m.holding).write_text(str(manager.current_step()))
             record["hold"] = _hold(m, record)
             held = True
         s = tg.begin()
@@ -635,6 +654,7 @@ def _no_restart_facts(
         },
         "corrupted_steps_applied": [cfg.onset, detect - 1],
         "_finals": recs[0]["final"],
+        "_final_digest": recs[0]["final_digest"],
     }
     say(
         "continued",
@@ -645,7 +665,7 @@ def _no_restart_facts(
         say(
             "joined",
             f"spare0 joined live at step {join_step}: its recovered weights and optimizer state "
-            f"{'equal' if recovered_equal else 'DIFFER from'} the healthy groups' (sha256); training "
+            f"{'equal' if recovered_equal else 'DIFFER from'} the healthy groups' (sha256, checked from outside the guard); training "
             f"ended at step {facts['final_step']} on 3 groups (final digests equal: {facts['final_digests_equal']})",
         )
     return facts
@@ -777,8 +797,74 @@ def _reference(
     return {k: v.clone() for k, v in net.state_dict().items()}
 
 
+def _reference_run(cfg: NoRestartConfig, root: Path, nr: dict[str, Any]) -> dict[str, Any]:
+    """The same torchft machinery with the demo's membership schedule and no detection: group 1
+    carries the fault on the steps the demo applied (onset..detection-1), then shuts down cleanly
+    before the detection step; the spare is started when the other two reach the demo's join step."""
+    from replicheck.harness.launch import _context
+
+    base = root / "reference"
+    (base / "incidents").mkdir(parents=True)
+    (base / "records").mkdir()
+    detect, join = nr["detected_at"], nr["join_step"]
+    ready, holding = base / "spare.ready", base / "holding"
+    lighthouse = _lighthouse(min_replicas=2)
+    try:
+        common = dict(
+            lighthouse=lighthouse.address(),
+            records=str(base / "records"),
+            incidents=str(base / "incidents"),
+            steps=cfg.steps,
+            verify_every=cfg.verify_every,
+            min_size=2,
+            timeout_s=cfg.timeout_s,
+        )
+        members = [
+            _Member(
+                shard=i,
+                name=f"group{i}",
+                fault_onset=cfg.onset if i == FAULTY else None,
+                fault_until=detect if i == FAULTY else None,
+                leave_at=detect if i == FAULTY else None,
+                hold_step=join if i != FAULTY else None,
+                holding=str(holding) if i == 0 else None,
+                ready=str(ready),
+                **common,
+            )
+            for i in range(3)
+        ]
+        procs = _start(members)
+        deadline = time.monotonic() + cfg.timeout_s
+        while not holding.exists() and time.monotonic() < deadline and any(p.is_alive() for p in procs):
+            time.sleep(0.02)
+        spare = _Member(shard=FAULTY, name="spare0", seed=1, ready=str(ready), announce=True, **common)
+        sp = _context().Process(target=_member, args=(spare, None), name="spare0")
+        sp.start()
+        procs.append(sp)
+        _wait(procs, cfg.timeout_s)
+        recs = [_record(base / "records", n) for n in ("group0", "group2", "spare0")]
+    finally:
+        lighthouse.shutdown()
+    ref_join = _committed(recs[2])[0]["step"] if _committed(recs[2]) else None
+    return {"join_step": ref_join, "final_digests": [r["final_digest"] for r in recs]}
+
+
 def _final_check(cfg: NoRestartConfig, nr: dict[str, Any], root: Path, say: _Printer) -> dict[str, Any]:
     finals: dict[str, torch.Tensor] = nr.pop("_finals")
+    digest: str = nr.pop("_final_digest")
+    say(
+        "reference",
+        "a torchft run with the same membership schedule and no detection, for the bit-for-bit check",
+    )
+    ref = _reference_run(cfg, root, nr)
+    same_schedule = ref["join_step"] == nr["join_step"]
+    torchft_ref = {
+        "join_step": ref["join_step"],
+        "same_membership": same_schedule,
+        "bitwise": (same_schedule and all(d == digest for d in ref["final_digests"]))
+        if same_schedule
+        else None,
+    }
     same_window = _reference(cfg, nr["detected_at"], nr["join_step"], faulty_window=True)
     clean = _reference(cfg, nr["detected_at"], nr["join_step"], faulty_window=False)
 
@@ -788,7 +874,24 @@ def _final_check(cfg: NoRestartConfig, nr: dict[str, Any], root: Path, say: _Pri
         close = all(torch.allclose(finals[k], ref[k], rtol=1e-5, atol=1e-6) for k in finals)
         return {"bitwise": bitwise, "max_abs_diff": diff, "close_rtol_1e-5": close}
 
-    facts = {"with_the_undetected_window": compare(same_window), "fault_free": compare(clean)}
+    facts = {
+        "torchft_same_schedule": torchft_ref,
+        "with_the_undetected_window": compare(same_window),
+        "fault_free": compare(clean),
+    }
+    if torchft_ref["bitwise"] is None:
+        say(
+            "proof",
+            f"the reference's spare joined at {ref['join_step']}, not {nr['join_step']}: not compared",
+        )
+    else:
+        say(
+            "proof",
+            "final weights and AdamW state (sha256) "
+            + ("are bit-for-bit equal to" if torchft_ref["bitwise"] else "DIFFER from")
+            + f" the torchft reference run (3 groups to {nr['detected_at'] - 1}, 2 to {nr['join_step'] - 1}, 3 after; "
+            f"group1's steps {cfg.onset}-{nr['detected_at'] - 1} as applied)",
+        )
     w = facts["with_the_undetected_window"]
     verdict = (
         "bit for bit" if w["bitwise"] else ("to rounding (rtol 1e-5)" if w["close_rtol_1e-5"] else "NOT")
@@ -814,6 +917,7 @@ def _finish(cfg: NoRestartConfig, root: Path, say: _Printer, facts: dict[str, An
         and nr["spare_recovered_state_equal"]
         and nr["final_digests_equal"]
         and facts["final_weights"]["with_the_undetected_window"]["close_rtol_1e-5"]
+        and facts["final_weights"]["torchft_same_schedule"]["bitwise"] is not False
     )
     lines = [
         "no restart (group1 leaves, spare0 joins live):",

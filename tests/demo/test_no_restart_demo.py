@@ -143,10 +143,14 @@ def test_the_controller_starts_the_spare_which_joins_live(demo: dict[str, Any]) 
 
 @pytest.mark.timeout(200)
 def test_the_final_weights_match_the_membership_schedule(demo: dict[str, Any]) -> None:
-    """The final weights equal (rtol 1e-5) a one-process recomputation with the run's membership
-    schedule and group 1's corrupted steps before the detection, and differ from a fault-free
-    one: the check can fail, and the undetected window is reported, not hidden."""
+    """The final weights and AdamW state are bit-for-bit equal (sha256) to a torchft run with the
+    same membership schedule and no detection (group 1 leaving cleanly at the detection step, the
+    spare joining at the same step); the weights equal (rtol 1e-5) a one-process recomputation
+    with that schedule and group 1's corrupted steps before the detection, and differ from a
+    fault-free one: the check can fail, and the undetected window is reported, not hidden."""
     fw = _ok(demo)["final_weights"]
+    assert fw["torchft_same_schedule"]["same_membership"] is True
+    assert fw["torchft_same_schedule"]["bitwise"] is True
     assert fw["with_the_undetected_window"]["close_rtol_1e-5"] is True
     assert fw["with_the_undetected_window"]["max_abs_diff"] < 1e-5
     assert fw["fault_free"]["close_rtol_1e-5"] is False
