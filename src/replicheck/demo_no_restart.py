@@ -155,16 +155,21 @@ class _Member:
     name: str
     """Its node name (the replica group's name in incidents)."""
     lighthouse: str
+    """The lighthouse's address."""
     records: str
     """Where its record goes (``<name>.pt``)."""
     incidents: str
+    """The guard's incident directory."""
     steps: int
     """Stop once this many steps are committed."""
     verify_every: int
+    """The guard's replay and weight-check period."""
     min_size: int
     """The manager's ``min_replica_size``: 2 lets a group leave; 3 makes a departure today's stop."""
     seed: int = 0
+    """Seed of the initial weights (the spare's differ: what it trains with must come from the recovery)."""
     fault_onset: int | None = None
+    """The persistent fault's first step on this group (``None``: no fault)."""
     fault_until: int | None = None
     """Remove the fault before this step (the reference run: the window the demo applied)."""
     leave_at: int | None = None
@@ -174,15 +179,19 @@ class _Member:
     hold_step: int | None = None
     """Wait before this step until ``ready`` or ``no_join`` exists (the spare is coming, or not)."""
     ready: str | None = None
+    """File the spare creates once it is about to ask for its first quorum."""
     no_join: str | None = None
+    """File the demo creates when no spare will come (approval declined)."""
     announce: bool = False
     """Create ``ready`` just before the first quorum (the spare)."""
     checkpoint_step: int | None = None
     """Save a checkpoint once this step is committed (today's path, shard 0)."""
     checkpoint: str | None = None
+    """Where that checkpoint goes."""
     resume_from: str | None = None
     """Load this checkpoint first (today's path after the stop)."""
-    timeout_s: float = 600.0
+    timeout_s: float = 300.0
+    """Longest wait at the start barrier or the hold."""
 
 
 def _member(m: _Member, start: Any | None) -> None:
