@@ -182,3 +182,80 @@ def test_a_schedule_the_demo_cannot_play_is_refused(tmp_path: Path) -> None:
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "join-by step" in proc.stderr
     assert not (tmp_path / "x").exists()
+
+
+def _incident_and_backend(root: Path, join_argv: list[str]) -> tuple[Any, Any]:
+    """An incident naming group1 with continuation no_restart, written where the controller reads,
+    and the local backend with the demo's job, nodes and spare."""
+    from replicheck.controller import LocalBackend
+    from replicheck.demo_no_restart import JOB_ID
+    from replicheck.incident import (
+        Continuation,
+        Incident,
+        NodeIdentity,
+        Suspect,
+        make_incident_id,
+        write_incident,
+    )
+
+    incident = Incident(
+        id=make_incident_id(JOB_ID, 30, "replay"),
+        job_id=JOB_ID,
+        step=30,
+        check="replay",
+        suspect_ranks=(1,),
+        suspect_nodes=("group1",),
+        classification="persistent",
+        suspects=(Suspect(rank=1, node=NodeIdentity(name="group1", hostname="group1", slurm_node="group1")),),
+        world_size=3,
+        last_verified_step=20,
+        continuation=Continuation(mode="no_restart", replica_group="group1"),
+    )
+    (root / "incidents").mkdir(parents=True)
+    write_incident(incident, root / "incidents")
+    backend = LocalBackend(root / "controller.db")
+    for n in ("group0", "group1", "group2"):
+        backend.add_node(n)
+    backend.add_node("spare0", spare=True)
+    backend.add_job(JOB_ID, ["group0", "group1", "group2"], join_command=join_argv)
+    return incident, backend
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("answer", [True, False])
+def test_the_prompt_decides_whether_the_spare_is_started(tmp_path: Path, answer: bool) -> None:
+    """The demo's controller step asks the approval prompt once (naming the node and the replica
+    group); "yes" starts the registered join command for group1 on spare0 and ends `joined`; "no"
+    dismisses the incident (uncordoned) and starts nothing."""
+    import io
+
+    from replicheck.demo import _Printer
+    from replicheck.demo_no_restart import NoRestartConfig, _control
+
+    tally = tmp_path / "tally"
+    argv = [sys.executable, "-c", f"open({str(tally)!r}, 'a').write('{{replica_group}} {{node}}\\n')"]
+    incident, backend = _incident_and_backend(tmp_path / "out", argv)
+    prompts: list[str] = []
+
+    def ask(prompt: str) -> bool:
+        prompts.append(prompt)
+        return answer
+
+    cfg = NoRestartConfig(out_dir=str(tmp_path / "out"), approve=ask, approver="tester")
+    try:
+        transitions, joined = _control(cfg, tmp_path / "out", _Printer(io.StringIO()), backend, incident)
+        joins = backend.join_requests()
+    finally:
+        backend.close()
+    assert len(prompts) == 1 and "group1" in prompts[0] and "joins live" in prompts[0]
+    assert joined is answer
+    if answer:
+        assert transitions[-1]["to"] == "joined"
+        assert [(j.replica_group, j.node, j.status) for j in joins] == [("group1", "spare0", "started")]
+        deadline = time.monotonic() + 30
+        while not tally.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert tally.read_text() == "group1 spare0\n"
+    else:
+        assert [t["to"] for t in transitions][-2:] == ["dismissed", "uncordoned"]
+        assert joins == [] and not tally.exists()
