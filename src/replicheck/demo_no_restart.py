@@ -423,6 +423,11 @@ def _committed(r: dict[str, Any]) -> list[dict[str, Any]]:
 def run_no_restart_demo(cfg: NoRestartConfig, out: TextIO = sys.stdout) -> dict[str, Any]:
     """Play the demo (module docstring); return the facts (also written to ``out_dir/demo.json``)."""
     _validate(cfg)
+    import importlib.util
+
+    # Looked up, not imported: the lighthouse's logger reads RUST_LOG at torchft's first import.
+    if importlib.util.find_spec("torchft") is None:
+        raise DemoError("--no-restart needs torchft: pip install 'replicheck[torchft]'")
     say = _Printer(out)
     root = Path(cfg.out_dir)
     _claim_out_dir(root)
