@@ -184,6 +184,10 @@ class _Member:
     """File the demo creates when no spare will come (approval declined)."""
     announce: bool = False
     """Create ``ready`` just before the first quorum (the spare)."""
+    await_hold: str | None = None
+    """The spare: wait until this file exists (the remaining groups hold at the join-by step)
+    before it starts its manager, so it joins at that step in the demo and the reference alike,
+    however early the controller starts it."""
     checkpoint_step: int | None = None
     """Save a checkpoint once this step is committed (today's path, shard 0)."""
     checkpoint: str | None = None
@@ -227,6 +231,12 @@ def _train(m: _Member, start: Any | None, record: dict[str, Any]) -> None:
     from replicheck.integrations.torchft import TorchftGuard
 
     torch.set_num_threads(1)
+    if m.await_hold is not None:
+        deadline = time.monotonic() + m.timeout_s
+        while not Path(m.await_hold).exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the remaining groups never reached the join-by step ({m.await_hold})")
+            time.sleep(0.02)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     torch.manual_seed(m.seed)
     net = _Net()
@@ -464,6 +474,7 @@ def _no_restart(cfg: NoRestartConfig, root: Path, say: _Printer) -> dict[str, An
 
     records, incidents = root / "records", root / "incidents"
     ready, no_join = root / "records" / "spare.ready", root / "records" / "spare.no-join"
+    holding = root / "records" / "holding"
     lighthouse = _lighthouse(min_replicas=2)
     common = dict(
         lighthouse=lighthouse.address(),
@@ -478,7 +489,16 @@ def _no_restart(cfg: NoRestartConfig, root: Path, say: _Printer) -> dict[str, An
     # (another seed: what it trains with comes from the recovery) and has no fault.
     orders = root / "spare-orders.json"
     orders.write_text(
-        json.dumps({**common, "shard": FAULTY, "seed": 1, "ready": str(ready), "announce": True})
+        json.dumps(
+            {
+                **common,
+                "shard": FAULTY,
+                "seed": 1,
+                "ready": str(ready),
+                "announce": True,
+                "await_hold": str(holding),
+            }
+        )
     )
     backend = LocalBackend(root / "controller.db")
     names = [f"group{i}" for i in range(3)]
@@ -504,6 +524,7 @@ def _no_restart(cfg: NoRestartConfig, root: Path, say: _Printer) -> dict[str, An
             name=names[i],
             fault_onset=cfg.onset if i == FAULTY else None,
             hold_step=cfg.hold_step,
+            holding=str(holding) if i == 0 else None,
             ready=str(ready),
             no_join=str(no_join),
             **common,
