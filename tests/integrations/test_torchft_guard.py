@@ -8,7 +8,11 @@ lighthouse and gloo, one rank per replica group, each group its own process and 
   ``ambiguous`` and stops both (today's path);
 * ``ambiguous``: 2 groups, the same fault: no group can be named alone, so every group stops as
   today (``CorruptionDetected`` → ``exit_on_corruption`` → 87, an ambiguous incident);
-* ``clean``: 3 groups, no fault: every step committed by every group, weights bitwise equal.
+* ``clean``: 3 groups, no fault: every step committed by every group, weights bitwise equal;
+* the replacement joins live: after group 1 has left, a fresh process with other weights heals
+  from groups 0 and 2 through torchft's recovery (model, optimizer and guard state), passes the
+  recovered-state digest check at its first step, and all three end bitwise equal; a joiner whose
+  copy is damaged is refused by that check, no group applies the step, and the others go on.
 """
 
 from __future__ import annotations
@@ -196,6 +200,7 @@ def _train(
             time.sleep(0.3)
         t0 = time.time()
         s = tg.begin()
+        t_begun = time.time()
         # The state this step starts from (after any recovery in its quorum).
         before = {
             "sha": _sha(net),
@@ -223,6 +228,8 @@ def _train(
                 "classification": got.incident.classification if got.incident is not None else None,
                 "recovery": dataclasses.asdict(got.recovery) if got.recovery is not None else None,
                 "before": before,
+                "t_start": t0,
+                "t_begun": t_begun,
             }
         )
     record["final"] = {k: v.clone() for k, v in net.state_dict().items()}
@@ -543,10 +550,15 @@ def test_a_replacement_group_joins_live_with_the_quorums_state(tmp_path: Path) -
     ref = _clean_reference(schedule)
     for name in final:
         torch.testing.assert_close(final[name], ref[name], rtol=1e-5, atol=1e-6)
-    first_commit = min(a["t"] for a in joiner["attempts"] if a["committed"])
+    # Timing: the quorum that admitted the joiner opens when the last of groups 0 and 2 asks.
+    first = joiner["attempts"][0]
+    opened = max(a["t_start"] for n in ("g0", "g2") for a in recs[n]["attempts"] if a["step"] == j)
+    usual = sorted(a["t"] - a["t_start"] for a in recs["g0"]["attempts"] if a["step"] > j)
     print(
-        f"\nreplacement joined at step {j}: from its quorum request to its first committed step "
-        f"{first_commit - joiner['first']['t_quorum']:.2f} s (wall {run['wall_s']:.1f} s)"
+        f"\nreplacement joined at step {j}: from the quorum's request to its first committed step "
+        f"{first['t'] - opened:.2f} s (quorum, recovery and digest check {first['t_begun'] - opened:.2f} s,"
+        f" the step {first['t'] - first['t_begun']:.2f} s; a 3-group step after it "
+        f"{usual[len(usual) // 2]:.3f} s); wall {run['wall_s']:.1f} s"
     )
 
 
@@ -575,6 +587,13 @@ def test_a_joiner_with_a_damaged_copy_is_refused_and_the_others_go_on(tmp_path: 
         assert at[0]["recovery"]["refused"] == (FAULTY,) and at[0]["incident"] is None
         assert _committed(r) == list(range(DAMAGE_STEPS))
         assert {a["pid"] for a in r["attempts"]} == {run["pids"][name]}
+    retaken = min(
+        a["t"] for n in ("g0", "g2") for a in recs[n]["attempts"] if a["step"] == j and a["committed"]
+    )
+    print(
+        f"\njoiner refused at step {j}; from the refusal to the others' retaken step: "
+        f"{retaken - refused['t']:.2f} s (wall {run['wall_s']:.1f} s)"
+    )
     ref = _clean_reference([[0, 2]] * DAMAGE_STEPS)
     for name, t in recs["g0"]["final"].items():
         assert torch.equal(t, recs["g2"]["final"][name]), name

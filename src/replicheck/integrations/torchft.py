@@ -205,8 +205,10 @@ class TorchftGuard:
         return self._guard
 
     def begin(self) -> int:
-        """Join this step's quorum (re-forming the guard when it changed); returns the step number
-        the next :meth:`step` takes. :meth:`step` calls it when it was not called."""
+        """Join this step's quorum (re-forming the guard when it changed, and checking the state of
+        any group that healed in it); returns the step number the next :meth:`step` takes.
+        :meth:`step` calls it when it was not called. Raises :class:`RecoveryRefused` in a group
+        whose recovered state differs from the quorum's."""
         if self._begun is not None:
             return self._begun
         self._healed, self._recovered, self._check = False, None, None
