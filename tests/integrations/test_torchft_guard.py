@@ -8,11 +8,17 @@ lighthouse and gloo, one rank per replica group, each group its own process and 
   ``ambiguous`` and stops both (today's path);
 * ``ambiguous``: 2 groups, the same fault: no group can be named alone, so every group stops as
   today (``CorruptionDetected`` → ``exit_on_corruption`` → 87, an ambiguous incident);
-* ``clean``: 3 groups, no fault: every step committed by every group, weights bitwise equal.
+* ``clean``: 3 groups, no fault: every step committed by every group, weights bitwise equal;
+* the replacement joins live: after group 1 has left, a fresh process with other weights heals
+  from groups 0 and 2 through torchft's recovery (model, optimizer and guard state), passes the
+  recovered-state digest check at its first step, and all three end bitwise equal; a joiner whose
+  copy is damaged is refused by that check, no group applies the step, and the others go on.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import os
 import time
@@ -73,13 +79,29 @@ def _loss(module: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.
     return F.mse_loss(module(x), y)
 
 
-def _group(index: int, lighthouse: str, out_dir: str, start: Any, fault: str | None, min_size: int) -> None:
+def _group(
+    index: int,
+    lighthouse: str,
+    out_dir: str,
+    start: Any,
+    fault: str | None,
+    min_size: int,
+    join: dict[str, Any] | None = None,
+) -> None:
     """One replica group (one rank): guarded training under torchft; its record (or traceback)
-    goes to ``out_dir`` (the suspect's too, as it exits)."""
+    goes to ``out_dir`` (the suspect's too, as it exits). ``join``: the join scenarios' settings
+    (see :func:`_train`)."""
+    from replicheck.integrations.torchft import RecoveryRefused
+
+    join = join or {}
     record: dict[str, Any] = {"index": index, "pid": os.getpid(), "attempts": []}
-    out = Path(out_dir) / f"g{index}.pt"
+    out = Path(out_dir) / f"{join.get('name', f'g{index}')}.pt"
     try:
-        _train(index, lighthouse, Path(out_dir), start, fault, min_size, record)
+        _train(index, lighthouse, Path(out_dir), start, fault, min_size, record, join)
+    except RecoveryRefused as exc:
+        record["refused"] = {"step": exc.check.step, "states": exc.check.states, "t": time.time()}
+        torch.save(record, out)
+        raise
     except SystemExit as exc:
         record["exit"] = exc.code
         record["t_exit"] = time.time()
@@ -100,7 +122,12 @@ def _train(
     fault: str | None,
     min_size: int,
     record: dict[str, Any],
+    join: dict[str, Any],
 ) -> None:
+    """``join`` keys: ``name`` (the record's file), ``joiner`` (a replacement started late from other
+    weights), ``damage`` (its recovered state is perturbed by a load function registered after the
+    guard's), ``ready`` (an event the joiner sets once its manager heartbeats), ``join_at`` (the step
+    before which the first groups wait for it), ``steps`` (the planned steps)."""
     import torch.distributed as dist
     from torchft import Manager, ProcessGroupGloo
 
@@ -110,16 +137,24 @@ def _train(
     from replicheck.integrations.torchft import TorchftGuard
 
     torch.set_num_threads(1)
+    joiner = bool(join.get("joiner"))
+    if joiner:
+        # Started early (imports done), it builds its manager only when told: from then on it is a
+        # replacement that was never part of the job.
+        join["go"].wait(timeout=60)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    torch.manual_seed(0)
+    steps = int(join.get("steps", STEPS))
+    torch.manual_seed(1 if joiner else 0)  # a joiner's own weights differ from the quorum's
     net = _Net()
     opt = torch.optim.AdamW(net.parameters(), lr=LR)
+    record["initial_digest"] = _sha(net)
     ttl = timedelta(seconds=20)
     pg = ProcessGroupGloo(timeout=ttl)
+    # The model's and the optimizer's state travel with TorchftGuard's registration.
     manager = Manager(
         pg=pg,
-        load_state_dict=lambda sd: (net.load_state_dict(sd["model"]), opt.load_state_dict(sd["optim"])),
-        state_dict=lambda: {"model": net.state_dict(), "optim": opt.state_dict()},
+        load_state_dict=None,
+        state_dict=None,
         min_replica_size=min_size,
         use_async_quorum=False,
         replica_id=f"replicheck_g{index}",
@@ -134,6 +169,16 @@ def _train(
     )
     config = GuardConfig(verify_every=VERIFY_EVERY, weights_every=VERIFY_EVERY, incident_dir=str(out))
     tg = TorchftGuard(manager, pg, net, opt, _loss, config, node=f"group{index}")
+    if "damage" in join:
+        # Test-only, on the joiner: after the guard's own load (torchft loads keys in registration
+        # order) one weight of the recovered copy moves by one ulp. torchft sends every key the
+        # receiver registered, so every group registers it (a no-op load on the others).
+        def damage(_: object) -> None:
+            if join["damage"]:
+                with torch.no_grad():
+                    net.out.bias[0] = torch.nextafter(net.out.bias[0], torch.tensor(1.0))
+
+        manager.register_state_dict_fn("test_damage", damage, dict)
     if fault is not None:
         # On group FAULTY only (rank = the group's index among the 3 groups started).
         at = Fault.at_forward("inp").scale(3.0, index=5).on_rank(FAULTY)
@@ -143,9 +188,27 @@ def _train(
             # A second faulty group, once group FAULTY has left: 2 groups, no third party.
             second = Fault.at_forward("inp").scale(3.0, index=5).on_rank(SECOND_GROUP)
             second.persistent(from_step=SECOND_ONSET).install(net, optimizer=opt, rank=index, world_size=3)
-    start.wait(timeout=30)  # every group heartbeats before any asks for the first quorum
-    while manager.current_step() < STEPS:
+    if joiner:
+        join["ready"].set()
+    else:
+        start.wait(timeout=30)  # every group heartbeats before any asks for the first quorum
+    while manager.current_step() < steps:
+        if not joiner and manager.current_step() == join.get("join_at") and not join["ready"].is_set():
+            # Hold the step until the replacement's manager heartbeats and asks for a quorum.
+            join["holding"].set()
+            join["ready"].wait(timeout=30)
+            time.sleep(0.3)
+        t0 = time.time()
         s = tg.begin()
+        t_begun = time.time()
+        # The state this step starts from (after any recovery in its quorum).
+        before = {
+            "sha": _sha(net),
+            "optim": _optim_sha(opt),
+            "guard": (tg.guard.next_step, tg.guard.last_verified_step),
+        }
+        if "first" not in record:
+            record["first"] = {"step": s, "t_quorum": t0, **before}
         try:
             got = tg.step(_batch(index, s))
         except CorruptionDetected as exc:
@@ -163,12 +226,35 @@ def _train(
                 "incident": got.incident.id if got.incident is not None else None,
                 "suspects": got.incident.suspect_nodes if got.incident is not None else None,
                 "classification": got.incident.classification if got.incident is not None else None,
+                "recovery": dataclasses.asdict(got.recovery) if got.recovery is not None else None,
+                "before": before,
+                "t_start": t0,
+                "t_begun": t_begun,
             }
         )
     record["final"] = {k: v.clone() for k, v in net.state_dict().items()}
     record["final_step"] = manager.current_step()
     record["reforms"] = tg.reforms
     manager.shutdown(wait=False)
+
+
+def _sha(module: nn.Module) -> str:
+    """The weights, bit for bit (independent of the guard's own digests)."""
+    h = hashlib.sha256()
+    for name, t in sorted(module.state_dict().items()):
+        h.update(name.encode())
+        h.update(t.detach().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _optim_sha(opt: torch.optim.Optimizer) -> str:
+    """AdamW's state (``step``, ``exp_avg``, ``exp_avg_sq`` of every parameter), bit for bit."""
+    h = hashlib.sha256()
+    for p in (p for g in opt.param_groups for p in g["params"]):
+        for key, t in sorted(opt.state.get(p, {}).items()):
+            h.update(key.encode())
+            h.update(torch.as_tensor(t).detach().contiguous().numpy().tobytes())
+    return h.hexdigest()
 
 
 def _run(tmp: Path, groups: int, fault: str | None, min_size: int, min_replicas: int) -> dict[str, Any]:
@@ -357,3 +443,158 @@ def test_a_clean_three_group_run_commits_every_step_everywhere(tmp_path: Path) -
     for r in run["records"][1:]:
         for name, t in first.items():
             assert torch.equal(t, r["final"][name]), name
+
+
+JOIN_AT = 7
+"""``join``: the step before which groups 0 and 2 wait for the replacement to heartbeat (it
+joins at the first quorum it asks for, so at ``JOIN_AT`` or soon after)."""
+JOIN_STEPS = 10
+"""``join``: the planned steps (the replacement takes part in the last ones)."""
+DAMAGE_AT = 2
+"""``damaged``: the step before which the two groups wait for the damaged joiner."""
+DAMAGE_STEPS = 5
+"""``damaged``: the planned steps."""
+
+
+def _run_join(
+    tmp: Path, first: list[int], fault: str | None, joiner: dict[str, Any], join_at: int, steps: int
+) -> dict[str, Any]:
+    """Groups ``first`` start together (group FAULTY faulty when ``fault``); once the faulty one
+    has exited (without a fault: once they hold ``join_at``), a replacement group ``FAULTY`` starts
+    from other weights
+    (``joiner`` adds to its settings); the first groups hold step ``join_at`` until it heartbeats."""
+    from torchft._torchft import LighthouseServer
+
+    lighthouse = LighthouseServer(
+        bind="[::]:0", min_replicas=2, join_timeout_ms=JOIN_MS, heartbeat_timeout_ms=HEARTBEAT_MS
+    )
+    ctx = _context()
+    start, ready, holding = ctx.Barrier(len(first)), ctx.Event(), ctx.Event()
+    common = {"ready": ready, "holding": holding, "join_at": join_at, "steps": steps}
+    if "damage" in joiner:
+        common["damage"] = False
+    procs = {
+        f"g{i}": ctx.Process(target=_group, args=(i, lighthouse.address(), str(tmp), start, fault, 2, common))
+        for i in first
+    }
+    go = ctx.Event()
+    joining = {"name": "joiner", "joiner": True, "ready": ready, "go": go, "steps": steps, **joiner}
+    procs["joiner"] = ctx.Process(
+        target=_group, args=(FAULTY, lighthouse.address(), str(tmp), None, None, 2, joining)
+    )
+    t0 = time.monotonic()
+    try:
+        for p in procs.values():
+            p.start()
+        if fault is not None:
+            procs[f"g{FAULTY}"].join(timeout=60)
+        else:
+            # After the first steps: a live join, not torchft's step-0 weight sync.
+            holding.wait(timeout=60)
+        go.set()
+        for p in procs.values():
+            p.join(timeout=60)
+    finally:
+        for p in procs.values():
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        lighthouse.shutdown()
+    records = {name: torch.load(tmp / f"{name}.pt", weights_only=False) for name in procs}
+    for name, r in records.items():
+        if "error" in r:
+            raise AssertionError(f"replica group {name} failed:\n{r['error']}")
+    return {
+        "records": records,
+        "pids": {name: p.pid for name, p in procs.items()},
+        "exitcodes": {name: p.exitcode for name, p in procs.items()},
+        "wall_s": time.monotonic() - t0,
+        "incidents": sorted(tmp.glob("*.json")),
+    }
+
+
+@pytest.mark.timeout(120)
+def test_a_replacement_group_joins_live_with_the_quorums_state(tmp_path: Path) -> None:
+    """Group 1 is caught at ONSET and leaves with 87; a replacement (a fresh process, other initial
+    weights) joins groups 0 and 2 later and heals live: at its first step its weights, AdamW state
+    and guard state (next step, last verified step) equal the quorum's (the guard's digest check
+    passes: it healed, nothing refused), its first update counts, all three commit every later
+    step and end bitwise equal, at the weights of a plain recomputation of that membership; groups
+    0 and 2 ran in their original processes throughout."""
+    run = _run_join(tmp_path, [0, 1, 2], "persistent", {}, JOIN_AT, JOIN_STEPS)
+    recs = run["records"]
+    assert run["exitcodes"] == {"g0": 0, "g1": EXIT_SUSPECT, "g2": 0, "joiner": 0}
+    joiner = recs["joiner"]
+    assert joiner["initial_digest"] != recs["g0"]["initial_digest"]
+    j = joiner["first"]["step"]
+    assert ONSET < j < JOIN_STEPS
+    for name in ("g0", "g2"):
+        r = recs[name]
+        assert {a["pid"] for a in r["attempts"]} == {run["pids"][name]} == {r["pid"]}
+        assert _committed(r) == list(range(JOIN_STEPS))
+        (attempt,) = [a for a in r["attempts"] if a["step"] == j]
+        assert (attempt["committed"], attempt["participants"]) == (True, 3)
+        first = joiner["first"]
+        assert attempt["before"] == {k: first[k] for k in ("sha", "optim", "guard")}
+        check = attempt["recovery"]
+        assert check["healed"] == (FAULTY,) and check["refused"] == ()
+        assert len(set(check["states"])) == 1
+    assert joiner["first"]["guard"][0] == j and joiner["first"]["guard"][1] is not None
+    assert _committed(joiner) == list(range(j, JOIN_STEPS))
+    assert all(a["participants"] == 3 for a in joiner["attempts"])
+    final = recs["g0"]["final"]
+    for other in (recs["g2"], joiner):
+        for name, t in final.items():
+            assert torch.equal(t, other["final"][name]), name
+    schedule = [[0, 1, 2]] * ONSET + [[0, 2]] * (j - ONSET) + [[0, 1, 2]] * (JOIN_STEPS - j)
+    ref = _clean_reference(schedule)
+    for name in final:
+        torch.testing.assert_close(final[name], ref[name], rtol=1e-5, atol=1e-6)
+    # Timing: the quorum that admitted the joiner opens when the last of groups 0 and 2 asks.
+    first = joiner["attempts"][0]
+    opened = max(a["t_start"] for n in ("g0", "g2") for a in recs[n]["attempts"] if a["step"] == j)
+    usual = sorted(a["t"] - a["t_start"] for a in recs["g0"]["attempts"] if a["step"] > j)
+    print(
+        f"\nreplacement joined at step {j}: from the quorum's request to its first committed step "
+        f"{first['t'] - opened:.2f} s (quorum, recovery and digest check {first['t_begun'] - opened:.2f} s,"
+        f" the step {first['t'] - first['t_begun']:.2f} s; a 3-group step after it "
+        f"{usual[len(usual) // 2]:.3f} s); wall {run['wall_s']:.1f} s"
+    )
+
+
+@pytest.mark.timeout(120)
+def test_a_joiner_with_a_damaged_copy_is_refused_and_the_others_go_on(tmp_path: Path) -> None:
+    """A joiner whose recovered weights differ from the quorum's by one value (a load function
+    that perturbs a bias after the guard's load) is refused by the digest check at its first
+    step: no group applies that step, the joiner leaves (RecoveryRefused, no incident, no group
+    named), and groups 0 and 2 take the step again without it, ending at the weights of a plain
+    two-group recomputation."""
+    run = _run_join(tmp_path, [0, 2], None, {"damage": True}, DAMAGE_AT, DAMAGE_STEPS)
+    recs = run["records"]
+    assert run["exitcodes"] == {"g0": 0, "g2": 0, "joiner": 1}
+    assert run["incidents"] == []
+    refused = recs["joiner"]["refused"]
+    j = refused["step"]
+    assert DAMAGE_AT <= j < DAMAGE_STEPS and _committed(recs["joiner"]) == []
+    mine, *others = (refused["states"][r] for r in (FAULTY, 0, 2))
+    assert all(o == others[0] for o in others)
+    # Everything equal but the weights digest (torchft step, guard steps, optimizer state).
+    assert [m == o for m, o in zip(mine, others[0])] == [True, True, True, False, True]
+    for name in ("g0", "g2"):
+        r = recs[name]
+        at = [a for a in r["attempts"] if a["step"] == j]
+        assert [(a["committed"], a["participants"]) for a in at] == [(False, 3), (True, 2)]
+        assert at[0]["recovery"]["refused"] == (FAULTY,) and at[0]["incident"] is None
+        assert _committed(r) == list(range(DAMAGE_STEPS))
+        assert {a["pid"] for a in r["attempts"]} == {run["pids"][name]}
+    retaken = min(
+        a["t"] for n in ("g0", "g2") for a in recs[n]["attempts"] if a["step"] == j and a["committed"]
+    )
+    print(
+        f"\njoiner refused at step {j}; from the refusal to the others' retaken step: "
+        f"{retaken - refused['t']:.2f} s (wall {run['wall_s']:.1f} s)"
+    )
+    ref = _clean_reference([[0, 2]] * DAMAGE_STEPS)
+    for name, t in recs["g0"]["final"].items():
+        assert torch.equal(t, recs["g2"]["final"][name]), name
+        torch.testing.assert_close(t, ref[name], rtol=1e-5, atol=1e-6)

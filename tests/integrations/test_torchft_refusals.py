@@ -1,6 +1,7 @@
 """What the first torchft slice does not support is refused with a GuardConfigError that says so,
 before any quorum: more than one rank per replica group, FSDP2 inside a group, a model already
-wrapped in DDP, torchft's async quorum, tolerant mode and ``global_item_count``. Real managers
+wrapped in DDP, torchft's async quorum, tolerant mode, ``global_item_count``, a second
+``TorchftGuard`` on one manager. Real managers
 against a real lighthouse (in this process)."""
 
 from __future__ import annotations
@@ -16,6 +17,11 @@ from torch import nn
 from replicheck.guard import GuardConfig
 from replicheck.guard.errors import GuardConfigError
 from replicheck.guard.parallel.torchft import TorchftReplicas
+from replicheck.integrations.torchft import TorchftGuard
+
+
+def _loss(module: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    return module(batch).square().mean()
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +87,8 @@ def test_async_quorum_and_groups_of_several_ranks_are_refused(lighthouse: str) -
 @pytest.mark.timeout(60)
 def test_wrapped_models_another_group_and_unsupported_modes_are_refused(lighthouse: str) -> None:
     """A DDP-wrapped model, a process group that is not the manager's, tolerant mode and
-    global_item_count are refused; the plain exact-mode setup installs."""
+    global_item_count are refused; the plain exact-mode setup installs; a second TorchftGuard on
+    the same manager is refused (its recovery key is taken)."""
     from torchft.process_group import ProcessGroupDummy
 
     pg = _pg()
@@ -100,6 +107,12 @@ def test_wrapped_models_another_group_and_unsupported_modes_are_refused(lighthou
         with pytest.raises(GuardConfigError, match="global_item_count"):
             replicas.install(GuardConfig(global_item_count=True, loss_reduction="sum"))
         assert replicas.install(GuardConfig()) is replicas.health
+        # TorchftGuard registers the state torchft's recovery sends under one key: once per manager.
+        net = nn.Linear(4, 4)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        TorchftGuard(m, pg, net, opt, _loss)
+        with pytest.raises(GuardConfigError, match="one TorchftGuard per Manager"):
+            TorchftGuard(m, pg, nn.Linear(4, 4), opt, _loss)
     finally:
         m.shutdown(wait=False)
 

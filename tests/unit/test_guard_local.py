@@ -12,6 +12,7 @@ from replicheck.guard import (
     Guard,
     GuardConfig,
     GuardConfigError,
+    GuardMisuseError,
     current_pass,
 )
 from replicheck.guard.transport.batch import batch_size, split
@@ -86,3 +87,36 @@ def test_single_process_transient_fault_is_caught_and_update_withheld(tmp_path) 
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert guard.next_step == 0
     assert EXIT_CORRUPTION not in (0, 1, 2) and EXIT_CORRUPTION < 128
+
+
+def test_a_live_guard_loads_another_guards_state_at_a_step_boundary() -> None:
+    """A guard that has already stepped takes another guard's state between two steps (torchft's
+    live recovery): its next step is the loaded one, and the verification schedule follows it;
+    a load from inside a step (here the loss function) is refused and changes nothing."""
+    model = make_model(TINY)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    guard = Guard(model, opt, lm_loss, config=GuardConfig(verify_every=2), node="solo")
+    for s in range(2):
+        guard.step(synthetic_batch(TINY, step=s, rank=0, batch=4))
+    other = make_model(TINY)
+    source = Guard(other, torch.optim.AdamW(other.parameters()), lm_loss, node="solo")
+    source.load_state_dict({**source.state_dict(), "next_step": 7, "last_verified_step": 6})
+    guard.load_state_dict(source.state_dict())
+    assert (guard.next_step, guard.last_verified_step) == (7, 6)
+    odd = guard.step(synthetic_batch(TINY, step=7, rank=0, batch=4))
+    even = guard.step(synthetic_batch(TINY, step=8, rank=0, batch=4))
+    assert (odd.step, odd.verified, even.step, even.verified) == (7, False, 8, True)
+    assert guard.last_verified_step == 8
+
+    state = guard.state_dict()
+    during: list[Guard] = []
+
+    def reloading(module: torch.nn.Module, batch: dict) -> torch.Tensor:
+        during[0].load_state_dict({**state, "next_step": 100})
+        return lm_loss(module, batch)
+
+    during.append(Guard(model, opt, reloading, config=GuardConfig(verify_every=2), node="solo"))
+    during[0].load_state_dict(state)
+    with pytest.raises(GuardMisuseError, match="during guard.step"):
+        during[0].step(synthetic_batch(TINY, step=9, rank=0, batch=4))
+    assert during[0].next_step == 9

@@ -18,6 +18,16 @@
    fewer groups than the manager's ``min_replica_size``, is today's stop: every group votes down
    and raises :class:`~replicheck.guard.CorruptionDetected`.
 
+A replacement group joins live: :class:`TorchftGuard` registers the model, the optimizer and the
+guard's own state with the manager (``Manager.register_state_dict_fn``, key ``"replicheck"``), so
+torchft's recovery hands a joining group all three from a healthy group inside its first
+``start_quorum``. At every quorum change each group's weights and optimizer-state digests and its
+guard state are all-gathered over the quorum (:class:`RecoveryCheck`); a group that healed in this
+quorum takes part in the step only if its recovered state equals the healthy groups'. Otherwise
+every group votes the step down, the joiner raises :class:`RecoveryRefused` (its manager shut
+down) and the others take the step again without it. A bad copy is not silent corruption: no
+incident is written, and no healthy group is named.
+
 Needs ``pip install 'replicheck[torchft]'``.
 """
 
@@ -33,7 +43,7 @@ import torch
 
 from replicheck.elastic import exit_on_corruption
 from replicheck.guard import CorruptionDetected, Guard, GuardConfig, StepResult
-from replicheck.guard.errors import GuardError
+from replicheck.guard.errors import GuardConfigError, GuardError
 from replicheck.guard.loss import LossFn
 from replicheck.guard.parallel.torchft import TorchftReplicas
 from replicheck.incident import Continuation, Incident, write_incident
@@ -48,6 +58,41 @@ _LEAVES = frozenset({"persistent", "transient"})
 
 class _VotedDown(Exception):
     """Internal: ``should_commit`` said no to a step the guard passed (raised before the update)."""
+
+
+RECOVERY_KEY = "replicheck"
+"""The key :class:`TorchftGuard` registers with ``Manager.register_state_dict_fn``."""
+
+
+@dataclass(frozen=True)
+class RecoveryCheck:
+    """The recovered-state check of one quorum (every group computes the same)."""
+
+    step: int
+    """The step the quorum takes (a joiner's first)."""
+    healed: tuple[int, ...]
+    """Quorum ranks of the groups that received a healthy group's state in this quorum."""
+    refused: tuple[int, ...]
+    """Those of them whose state differs from the healthy groups' (the step is voted down)."""
+    states: tuple[tuple[int, ...], ...]
+    """Per quorum rank: ``(torchft step, guard next step, guard last verified step or -1,
+    weights digest, optimizer-state digest)`` at the start of the step."""
+
+
+class RecoveryRefused(GuardError):
+    """This group's recovered state differs from the healthy groups' at its first step (a bad
+    copy): the step was voted down everywhere and this group's manager is shut down; let the
+    process exit (not with 87: no device was found computing wrong)."""
+
+    def __init__(self, check: RecoveryCheck, rank: int) -> None:
+        self.check = check
+        mine = check.states[rank]
+        ref = [st for r, st in enumerate(check.states) if r not in check.healed]
+        super().__init__(
+            f"step {check.step}: the state recovered from a healthy replica group differs from the "
+            f"quorum's (torchft step, guard next step, last verified step, weights digest, "
+            f"optimizer digest: {mine} here, {ref} on the healthy groups); this group leaves"
+        )
 
 
 @dataclass(frozen=True)
@@ -66,6 +111,8 @@ class TorchftStep:
     """The verdict that voted the step down and sent the named groups out, when there was one."""
     t_committed: float | None = None
     """``time.time()`` when the step was committed (measurements)."""
+    recovery: RecoveryCheck | None = None
+    """The recovered-state check of this step's quorum, when a group healed in it."""
 
 
 class TorchftGuard:
@@ -84,6 +131,13 @@ class TorchftGuard:
     controller starts one replacement group after approval instead of resuming a job that never
     stopped. Any other verdict's incident is today's record. Either is written to
     ``config.incident_dir`` by the lowest quorum rank the verdict does not name.
+
+    The model, the optimizer and the guard's state are registered with ``manager`` for torchft's
+    live recovery (key :data:`RECOVERY_KEY`), so there is no need to pass the model's and the
+    optimizer's state functions to the ``Manager`` (if they are, they travel twice); register any
+    other state (a learning-rate schedule, a data loader's position) under keys of your own. A
+    group that healed is checked at its first step (module docstring); a refused one raises
+    :class:`RecoveryRefused` from :meth:`begin` / :meth:`step`.
     """
 
     def __init__(
@@ -111,6 +165,32 @@ class TorchftGuard:
         self.reforms = 0
         """How many times the guard was built again for a new quorum (the first build included)."""
         self._hooked = False
+        self._module = module
+        self._recovered: dict[str, Any] | None = None  # the guard state received this quorum
+        self._healed = False
+        self._refusal: RecoveryCheck | None = None  # this step voted down for a bad copy
+        self._check: RecoveryCheck | None = None  # this quorum's check, until its first step returns
+        self.recovery: RecoveryCheck | None = None
+        """The newest recovered-state check (a quorum in which some group healed)."""
+        if RECOVERY_KEY in getattr(manager, "_user_state_dicts", {}):
+            raise GuardConfigError(
+                f"this torchft Manager already has state registered under {RECOVERY_KEY!r} (one "
+                "TorchftGuard per Manager)"
+            )
+        manager.register_state_dict_fn(RECOVERY_KEY, self._load_recovered, self._recovery_state)
+
+    def _recovery_state(self) -> dict[str, Any]:
+        """What a healthy group sends a joining one (called by torchft between two steps)."""
+        guard = self._guard.state_dict() if self._guard is not None else None
+        return {"model": self._module.state_dict(), "optimizer": self._optimizer.state_dict(), "guard": guard}
+
+    def _load_recovered(self, state: dict[str, Any]) -> None:
+        """A healthy group's state, applied by torchft inside this group's ``start_quorum``; the
+        guard's part is loaded once this quorum's guard exists (:meth:`begin`)."""
+        self._module.load_state_dict(state["model"])
+        self._optimizer.load_state_dict(state["optimizer"])
+        self._recovered = state["guard"]
+        self._healed = True
 
     @property
     def model(self) -> torch.nn.Module:
@@ -125,25 +205,81 @@ class TorchftGuard:
         return self._guard
 
     def begin(self) -> int:
-        """Join this step's quorum (re-forming the guard when it changed); returns the step number
-        the next :meth:`step` takes. :meth:`step` calls it when it was not called."""
+        """Join this step's quorum (re-forming the guard when it changed, and checking the state of
+        any group that healed in it); returns the step number the next :meth:`step` takes.
+        :meth:`step` calls it when it was not called. Raises :class:`RecoveryRefused` in a group
+        whose recovered state differs from the quorum's."""
         if self._begun is not None:
             return self._begun
+        self._healed, self._recovered, self._check = False, None, None
         self.manager.start_quorum()
         comm = self.replicas.quorum_comm
         rank, size = comm.refresh()
         # The manager reconfigures its process group whenever the quorum id changes; the id has no
         # public accessor in torchft 0.2.
         key = (getattr(self.manager, "_quorum_id", None), rank, size)
-        if key != self._quorum:
+        changed = key != self._quorum
+        if changed:
             self._reform()
             self._quorum = key
         step = int(self.manager.current_step())
         guard = self.guard
+        if self._recovered is not None:
+            # A live load at this step boundary: the healthy group's next and verified steps.
+            guard.load_state_dict(self._recovered)
         if guard.next_step != step:
             guard.load_state_dict({**guard.state_dict(), "next_step": step})
+        if changed:
+            # Every group re-forms on a quorum change (a joiner's first quorum is one), so every
+            # group takes part in this gather.
+            self._check_recovery(step)
         self._begun = step
         return step
+
+    def _check_recovery(self, step: int) -> None:
+        """Collective over the quorum: each group's state digests; a group that healed in this
+        quorum must hold the healthy groups' state, or the step is voted down everywhere and the
+        joiner leaves (:class:`RecoveryRefused`)."""
+        comm, guard = self.replicas.quorum_comm, self.guard
+        verified = guard.last_verified_step
+        head = [int(self._healed), step, guard.next_step, -1 if verified is None else verified]
+        digests = [
+            self.replicas.weights_digest(self._config.per_rank_buffers),
+            self.replicas.optimizer_digest(self._optimizer),
+        ]
+        row = torch.cat([torch.tensor(head, dtype=torch.int64), torch.stack(digests).to("cpu", torch.int64)])
+        rows = [tuple(int(v) for v in r) for r in comm.gather_rows(row).tolist()]
+        healed = tuple(r for r, got in enumerate(rows) if got[0])
+        if not healed:
+            return
+        states = tuple(got[1:] for got in rows)
+        reference = {st for r, st in enumerate(states) if r not in healed}
+        if len(reference) == 1:
+            refused = tuple(r for r in healed if states[r] not in reference)
+        else:
+            # No agreed reference (no healthy group, or healthy groups that differ, which the
+            # guard's own replica check judges): no joiner can be shown to hold the right state.
+            refused = healed
+        check = RecoveryCheck(step=step, healed=healed, refused=refused, states=states)
+        self.recovery = self._check = check
+        if not refused:
+            log.info("step %d: the recovered state of group(s) %s equals the quorum's", step, healed)
+            return
+        # A bad copy, not silent corruption: every group votes the step down (torchft's vote is
+        # per group), the joiner leaves, and no incident is written (none would name a device).
+        self.manager.report_error(RecoveryRefused(check, refused[0]))
+        if self.manager.should_commit():
+            raise GuardError(f"internal: step {step} committed after report_error")
+        if comm.rank in refused:
+            refusal = RecoveryRefused(check, comm.rank)
+            log.error("%s", refusal)
+            # Stop heartbeating at once, so the lighthouse drops this group from the next quorum.
+            self.manager.shutdown(wait=False)
+            raise refusal
+        log.error(
+            "step %d: the recovered state of group(s) %s refused; the step is taken again", step, refused
+        )
+        self._refusal = check
 
     def _reform(self) -> None:
         """A guard over the groups in the new quorum: its ring, arbiters and nodes are theirs."""
@@ -177,18 +313,25 @@ class TorchftGuard:
         s = self.begin()
         self._begun = None
         guard, n = self.guard, self.replicas.comm.world_size
+        check, self._check = self._check, None
+        if self._refusal is not None:
+            # Voted down in begin() (a joiner's bad copy): no group computes this step.
+            self._refusal = None
+            return TorchftStep(step=s, committed=False, participants=n, recovery=check)
         try:
             result = guard.step(*microbatches)
         except _VotedDown:
             log.warning("step %d: torchft's commit vote said no; it is taken again", s)
-            return TorchftStep(step=s, committed=False, participants=n)
+            return TorchftStep(step=s, committed=False, participants=n, recovery=check)
         except CorruptionDetected as exc:
-            return self._verdict(s, n, exc)
+            return dataclasses.replace(self._verdict(s, n, exc), recovery=check)
         except BaseException as exc:
             # Whatever stopped the step here stops it in this group's vote too.
             self.manager.report_error(exc if isinstance(exc, Exception) else RuntimeError(repr(exc)))
             raise
-        return TorchftStep(step=s, committed=True, participants=n, result=result, t_committed=time.time())
+        return TorchftStep(
+            step=s, committed=True, participants=n, result=result, t_committed=time.time(), recovery=check
+        )
 
     def _verdict(self, s: int, n: int, exc: CorruptionDetected) -> TorchftStep:
         incident = exc.incident
@@ -239,4 +382,4 @@ class TorchftGuard:
             log.error("incident %s written to %s", incident.id, path)
 
 
-__all__ = ["TorchftGuard", "TorchftStep"]
+__all__ = ["RECOVERY_KEY", "RecoveryCheck", "RecoveryRefused", "TorchftGuard", "TorchftStep"]

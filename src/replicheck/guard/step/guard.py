@@ -194,6 +194,7 @@ class Guard:
         self._next_step = cfg.start_step
         self._needs_rebuild = par.rebuilds_on_resume and cfg.start_step > 0 and cfg.rebuild_buckets_on_resume
         self._stepped = False  # whether this guard has run a step (the fresh-start warning)
+        self._in_step = False  # inside step(): its state may not be replaced then
         self.last_verified_step: int | None = cfg.resume_verified_step
         """The newest step whose verification passed (a resumed job may set it from its checkpoint)."""
         self._reporter = IncidentBuilder(
@@ -269,9 +270,19 @@ class Guard:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` (before the first step of a resumed run): steps continue from
-        the saved ones and tolerant mode keeps the noise it measured instead of calibrating again.
-        Raises :class:`GuardConfigError` for a state that is not one, changing nothing."""
+        """Restore :meth:`state_dict`: steps continue from the saved ones and tolerant mode keeps
+        the noise it measured instead of calibrating again.
+
+        Before the first step of a resumed run, or at a step boundary of a live run (torchft's live
+        recovery hands a joining replica group a healthy group's state between two steps): the next
+        :meth:`step` runs the loaded ``next_step``. Raises :class:`GuardConfigError` for a state
+        that is not one, and :class:`GuardMisuseError` from inside a step (a loss function or a
+        hook), changing nothing either way."""
+        if self._in_step:
+            raise GuardMisuseError(
+                "guard.load_state_dict() called during guard.step(): load the guard's state before "
+                "the first step or between two steps"
+            )
         if not isinstance(state, dict) or state.get("format") != _STATE_FORMAT:
             raise GuardConfigError(f"not a replicheck guard state (format {_STATE_FORMAT!r} expected)")
         next_step, verified = state.get("next_step"), state.get("last_verified_step")
@@ -343,6 +354,13 @@ class Guard:
 
     def step(self, *microbatches: Any) -> StepResult:
         """Run one guarded optimizer step over one batch or several micro-batches."""
+        self._in_step = True
+        try:
+            return self._step(microbatches)
+        finally:
+            self._in_step = False
+
+    def _step(self, microbatches: tuple[Any, ...]) -> StepResult:
         if not microbatches:
             raise BatchError("step() needs at least one batch")
         misuse = self._par.sync_off()
@@ -418,7 +436,7 @@ class Guard:
                 "step 0. Restore the guard's own state with guard.load_state_dict(...) (saved by "
                 "CheckpointStore.save(guard=...)) or pass GuardConfig(start_step=checkpoint step + 1).",
                 UserWarning,
-                stacklevel=3,
+                stacklevel=4,
             )
 
     def _replayer(self, s: int) -> Replayer:
