@@ -245,9 +245,9 @@ def _train(m: _Member, start: Any | None, record: dict[str, Any]) -> None:
     pg = ProcessGroupGloo(timeout=ttl)
     manager = Manager(
         pg=pg,
-        # What torchft sends a joining group from a healthy one (TorchftGuard registers nothing yet).
-        load_state_dict=lambda sd: (net.load_state_dict(sd["model"]), opt.load_state_dict(sd["optim"])),
-        state_dict=lambda: {"model": net.state_dict(), "optim": opt.state_dict()},
+        # What a joining group receives (model, optimizer, guard state) TorchftGuard registers.
+        load_state_dict=None,
+        state_dict=None,
         min_replica_size=m.min_size,
         use_async_quorum=False,
         replica_id=f"replicheck_{m.name}",
@@ -702,7 +702,7 @@ def _no_restart_facts(
         say(
             "joined",
             f"spare0 joined live at step {join_step}: its recovered weights and optimizer state "
-            f"{'equal' if recovered_equal else 'DIFFER from'} the healthy groups' (sha256, checked from outside the guard); training "
+            f"{'equal' if recovered_equal else 'DIFFER from'} the healthy groups' (the guard's recovered-state digest check passed; sha256 checked again from outside the guard); training "
             f"ended at step {facts['final_step']} on 3 groups (final digests equal: {facts['final_digests_equal']})",
         )
     return facts
