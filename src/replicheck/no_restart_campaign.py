@@ -338,7 +338,8 @@ def markdown(rows: list[dict[str, Any]], c: NoRestartCampaign, command: str, wal
         f"the fault scales a forward value of group 1 (and of group 2 in the second-fault row) by 3. "
         f"An ambiguous stop is followed by today's resume from the newest verified checkpoint (run here: "
         f"the restarted groups train until the detected step is committed again); its steps lost are the "
-        f"steps since that checkpoint. Wall time {wall_s:.0f} s on 2 CPU cores, torch {torch.__version__}. "
+        f"steps since that checkpoint, and its detection → next committed step runs from the stop to the "
+        f"resumed job's first commit (a scheduler's restart time is not in it). Wall time {wall_s:.0f} s on 2 CPU cores, torch {torch.__version__}. "
         f"See docs/no-restart.md.",
         "",
         "| " + " | ".join(head) + " |",
