@@ -128,10 +128,10 @@ def _loss(module: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.
     return F.mse_loss(module(x), y)
 
 
-def _fault() -> Any:
+def _fault(group: int = FAULTY) -> Any:
     from replicheck.faults import Fault
 
-    return Fault.at_forward("inp").scale(3.0, index=5).on_rank(FAULTY)
+    return Fault.at_forward("inp").scale(3.0, index=5).on_rank(group)
 
 
 def _digest(net: nn.Module, opt: torch.optim.Optimizer) -> str:
@@ -170,6 +170,8 @@ class _Member:
     """Seed of the initial weights (the spare's differ: what it trains with must come from the recovery)."""
     fault_onset: int | None = None
     """The persistent fault's first step on this group (``None``: no fault)."""
+    fault_transient: bool = False
+    """The fault acts on ``fault_onset`` only (a one-step fault) instead of from it on."""
     fault_until: int | None = None
     """Remove the fault before this step (the reference run: the window the demo applied)."""
     leave_at: int | None = None
@@ -272,11 +274,9 @@ def _train(m: _Member, start: Any | None, record: dict[str, Any]) -> None:
     tg = TorchftGuard(manager, pg, net, opt, _loss, config, node=m.name)
     fault = None
     if m.fault_onset is not None:
-        fault = (
-            _fault()
-            .persistent(from_step=m.fault_onset)
-            .install(net, optimizer=opt, rank=m.shard, world_size=3)
-        )
+        at = _fault(m.shard)
+        at = at.transient(step=m.fault_onset) if m.fault_transient else at.persistent(from_step=m.fault_onset)
+        fault = at.install(net, optimizer=opt, rank=m.shard, world_size=3)
     if start is not None:
         start.wait(timeout=m.timeout_s)  # every group heartbeats before any asks for the first quorum
     if m.announce and m.ready is not None:

@@ -70,6 +70,12 @@ def register(subparsers: Any) -> None:
         "additive, ulp, heavy (every rank) and bias (a constant bias on rank 1), or none; "
         "default: all of them with --bf16, none otherwise (needs tolerant mode)",
     )
+    p.add_argument(
+        "--no-restart",
+        action="store_true",
+        help="instead: the no-restart rows (torchft replica groups, real lighthouse; needs torchft): "
+        "writes no-restart.json and the '## No restart (torchft)' section of results.md, keeping the rest",
+    )
     p.set_defaults(func=run)
 
 
@@ -115,6 +121,8 @@ def run(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(1)
     out = Path(args.out)
+    if args.no_restart:
+        return _no_restart(args, out)
     if args.soak is not None:
         return _soak(args, out)
     if args.noise is not None:
@@ -233,3 +241,41 @@ def _soak(args: argparse.Namespace, out: Path) -> int:
     (out / f"{name}.md").write_text(text)
     print(text)
     return 0 if result.false_alarms == 0 else 1
+
+
+def _no_restart(args: argparse.Namespace, out: Path) -> int:
+    """The no-restart rows: their own section of ``results.md`` (the main table is kept)."""
+    import json
+    import tempfile
+    import time
+
+    from replicheck.demo import DemoError
+    from replicheck.no_restart_campaign import (
+        NoRestartCampaign,
+        markdown,
+        no_restart_scenarios,
+        run_no_restart_campaign,
+        write_section,
+    )
+
+    c = NoRestartCampaign()
+    bar = _Progress(len(no_restart_scenarios(c)), "no-restart", "scenario", not args.no_progress)
+    t0 = time.monotonic()
+    try:
+        with tempfile.TemporaryDirectory(prefix="replicheck-no-restart-") as tmp:
+            rows = run_no_restart_campaign(
+                c, Path(tmp), on_done=lambda r: bar.update_to(bar.n + 1, str(r["scenario"]))
+            )
+    except DemoError as exc:
+        print(f"replicheck campaign: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        bar.close()
+    wall = time.monotonic() - t0
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "no-restart.json").write_text(json.dumps(rows, indent=2, default=str) + "\n")
+    write_section(out / "results.md", markdown(rows, c, _command(), wall))
+    print(
+        f"wrote {out / 'no-restart.json'} and the no-restart section of {out / 'results.md'}", file=sys.stderr
+    )
+    return 0 if all(r["as_expected"] for r in rows) else 1
