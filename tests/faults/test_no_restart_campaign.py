@@ -6,9 +6,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("torchft")
-
-from replicheck.no_restart_campaign import (  # noqa: E402
+from replicheck.no_restart_campaign import (
     SECTION,
     NoRestartCampaign,
     markdown,
