@@ -488,9 +488,9 @@ def _run_join(
             p.start()
         if fault is not None:
             procs[f"g{FAULTY}"].join(timeout=60)
-        else:
-            # After the first steps: a live join, not torchft's step-0 weight sync.
-            holding.wait(timeout=60)
+        # The replacement starts once the others hold ``join_at``: a live join after the first
+        # steps (not torchft's step-0 weight sync), at a step that does not depend on timing.
+        holding.wait(timeout=60)
         go.set()
         for p in procs.values():
             p.join(timeout=60)

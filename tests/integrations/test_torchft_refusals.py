@@ -1,5 +1,6 @@
-"""What the first torchft slice does not support is refused with a GuardConfigError that says so,
-before any quorum: more than one rank per replica group, FSDP2 inside a group, a model already
+"""What the torchft integration does not support is refused with a GuardConfigError that says so,
+before any quorum: a group of several ranks without its own process group (or with one of
+another size), FSDP2 inside a group, a model already
 wrapped in DDP, torchft's async quorum, tolerant mode, ``global_item_count``, a second
 ``TorchftGuard`` on one manager. Real managers
 against a real lighthouse (in this process)."""
@@ -66,8 +67,9 @@ def _pg() -> Any:
 
 
 @pytest.mark.timeout(60)
-def test_async_quorum_and_groups_of_several_ranks_are_refused(lighthouse: str) -> None:
-    """Manager(use_async_quorum=True) and Manager(world_size=2) are refused, each naming the fix."""
+def test_async_quorum_and_groups_of_several_ranks_without_their_group_are_refused(lighthouse: str) -> None:
+    """Manager(use_async_quorum=True), and Manager(world_size=2) without the group's own process
+    group, are refused, each naming the fix."""
     pg = _pg()
     m = _manager(lighthouse, pg, async_quorum=True)
     try:
@@ -78,7 +80,7 @@ def test_async_quorum_and_groups_of_several_ranks_are_refused(lighthouse: str) -
     pg = _pg()
     m = _manager(lighthouse, pg, world_size=2)
     try:
-        with pytest.raises(GuardConfigError, match="one rank per replica group"):
+        with pytest.raises(GuardConfigError, match="pass the group's own process group as group="):
             TorchftReplicas(m, pg, nn.Linear(4, 4))
     finally:
         m.shutdown(wait=False)
@@ -117,23 +119,38 @@ def test_wrapped_models_another_group_and_unsupported_modes_are_refused(lighthou
         m.shutdown(wait=False)
 
 
-def _shard_and_refuse(ctx: Any) -> str:
+def _shard_and_refuse(ctx: Any) -> tuple[str, str]:
     """On a 1-rank gloo job: an FSDP2 module handed to TorchftReplicas is refused (the module is
-    checked before the manager, so no manager is needed to see it)."""
+    checked before the manager, so no manager is needed to see it); a manager of a 2-rank replica
+    group given this 1-rank group as the group's own is refused."""
+    import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
+    from torchft._torchft import LighthouseServer
 
-    sharded = fully_shard(nn.Linear(4, 4))
+    messages = []
     try:
-        TorchftReplicas(None, None, sharded)
+        TorchftReplicas(None, None, fully_shard(nn.Linear(4, 4)))
     except GuardConfigError as exc:
-        return str(exc)
-    return "accepted"
+        messages.append(str(exc))
+    server = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=500, heartbeat_timeout_ms=1000)
+    pg = _pg()
+    m = _manager(server.address(), pg, world_size=2)
+    try:
+        TorchftReplicas(m, pg, nn.Linear(4, 4), group=dist.group.WORLD)
+    except GuardConfigError as exc:
+        messages.append(str(exc))
+    finally:
+        m.shutdown(wait=False)
+        server.shutdown()
+    return messages[0], messages[1] if len(messages) > 1 else "accepted"
 
 
 @pytest.mark.timeout(120)
-def test_an_fsdp2_module_is_refused() -> None:
-    """FSDP2 inside a replica group is not supported in this slice: refused, saying so."""
+def test_an_fsdp2_module_and_a_group_of_another_size_are_refused() -> None:
+    """FSDP2 inside a replica group is not built: refused, saying so; a replica group's own
+    process group whose size is not the manager's group size is refused."""
     from replicheck.harness.launch import node_names, run_local
 
-    (message,) = run_local(_shard_and_refuse, node_names(1, 1), timeout=100)
-    assert "FSDP2 inside a replica group is not supported" in message
+    ((fsdp, size),) = run_local(_shard_and_refuse, node_names(1, 1), timeout=100)
+    assert "FSDP2 inside a replica group is not supported" in fsdp
+    assert "group= has 1 ranks but the torchft Manager's replica group has 2" in size

@@ -1,6 +1,8 @@
-"""The guard inside torchft's step (issue 28, first slice; ``docs/no-restart.md``).
+"""The guard inside torchft's step (issue 28; ``docs/no-restart.md``).
 
-:class:`TorchftGuard` runs one guarded step per call in a torchft replica group of one rank:
+:class:`TorchftGuard` runs one guarded step per call on each rank of a torchft replica group (one
+rank, or several with DDP inside the group; the guard of rank ``l`` spans rank ``l`` of every
+group, :mod:`replicheck.guard.parallel.torchft`):
 
 1. ``Manager.start_quorum()`` (synchronous quorum); when the quorum changed (its id, this group's
    rank or the group count), the guard is built again over the groups now in it, so its ring,
@@ -16,7 +18,9 @@
    committed; their next call takes the same step number in a quorum without the suspects.
    An ``ambiguous`` verdict (fewer than 3 groups, or no group named alone), or one that would leave
    fewer groups than the manager's ``min_replica_size``, is today's stop: every group votes down
-   and raises :class:`~replicheck.guard.CorruptionDetected`.
+   and raises :class:`~replicheck.guard.CorruptionDetected`. With several ranks per group the
+   ranks' verdicts (one per column) are combined first: the group leaves only when every column
+   with a verdict names the same single group; anything else is the stop.
 
 A replacement group joins live: :class:`TorchftGuard` registers the model, the optimizer and the
 guard's own state with the manager (``Manager.register_state_dict_fn``, key ``"replicheck"``), so
@@ -40,6 +44,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from replicheck.elastic import exit_on_corruption
 from replicheck.guard import CorruptionDetected, Guard, GuardConfig, StepResult
@@ -58,6 +63,11 @@ _LEAVES = frozenset({"persistent", "transient"})
 
 class _VotedDown(Exception):
     """Internal: ``should_commit`` said no to a step the guard passed (raised before the update)."""
+
+
+_Outcome = Incident | str | None
+"""A rank's outcome of a step its group did not commit: its column's verdict, the error that
+stopped it (in words), or ``None`` (voted down by another rank or group)."""
 
 
 RECOVERY_KEY = "replicheck"
@@ -116,7 +126,14 @@ class TorchftStep:
 
 
 class TorchftGuard:
-    """A guarded step per call, in one torchft replica group of one rank (module docstring).
+    """A guarded step per call, on one rank of a torchft replica group (module docstring).
+
+    One instance per rank. ``group``: the replica group's own process group, required when the
+    group has several ranks (``Manager(world_size=k)``, ``k > 1``; under a ``torchrun`` per group,
+    torch.distributed's default group); DDP runs inside it and torchft across the groups. Every
+    rank of a group acts alike: the columns' verdicts are combined inside the group when a step is
+    not committed (one small all-gather over the group's ranks, only then), and a recovered-state
+    refusal in any column refuses the whole group.
 
     ``module`` is the bare model (the DDP wrapper torchft's averaging runs in is built here:
     :attr:`model` is what the loss function is called with in training passes). ``pg`` is the
@@ -130,7 +147,8 @@ class TorchftGuard:
     ``no_restart``, the suspect's node name as ``replica_group``; incident version 3), so the
     controller starts one replacement group after approval instead of resuming a job that never
     stopped. Any other verdict's incident is today's record. Either is written to
-    ``config.incident_dir`` by the lowest quorum rank the verdict does not name.
+    ``config.incident_dir`` once, by the lowest quorum rank the verdict does not name (in the
+    column whose verdict came first). Its ``suspect_ranks`` are quorum ranks: replica groups.
 
     The model, the optimizer and the guard's state are registered with ``manager`` for torchft's
     live recovery (key :data:`RECOVERY_KEY`), so there is no need to pass the model's and the
@@ -149,10 +167,11 @@ class TorchftGuard:
         loss_fn: LossFn,
         config: GuardConfig | None = None,
         node: str | None = None,
+        group: dist.ProcessGroup | None = None,
     ) -> None:
         require("torchft", "torchft")
         self.manager = manager
-        self.replicas = TorchftReplicas(manager, pg, module)
+        self.replicas = TorchftReplicas(manager, pg, module, group)
         self._optimizer, self._loss_fn = optimizer, loss_fn
         cfg = config if config is not None else GuardConfig()
         # The incident is written here, once the verdict's consequence (leave or stop) is known.
@@ -239,7 +258,8 @@ class TorchftGuard:
     def _check_recovery(self, step: int) -> None:
         """Collective over the quorum: each group's state digests; a group that healed in this
         quorum must hold the healthy groups' state, or the step is voted down everywhere and the
-        joiner leaves (:class:`RecoveryRefused`)."""
+        joiner leaves (:class:`RecoveryRefused`). Each rank checks its column; a refusal in any
+        column of a group refuses the whole group (:meth:`_group_flags`)."""
         comm, guard = self.replicas.quorum_comm, self.guard
         verified = guard.last_verified_step
         head = [int(self._healed), step, guard.next_step, -1 if verified is None else verified]
@@ -250,36 +270,66 @@ class TorchftGuard:
         row = torch.cat([torch.tensor(head, dtype=torch.int64), torch.stack(digests).to("cpu", torch.int64)])
         rows = [tuple(int(v) for v in r) for r in comm.gather_rows(row).tolist()]
         healed = tuple(r for r, got in enumerate(rows) if got[0])
-        if not healed:
+        check: RecoveryCheck | None = None
+        if healed:
+            states = tuple(got[1:] for got in rows)
+            reference = {st for r, st in enumerate(states) if r not in healed}
+            if len(reference) == 1:
+                refused = tuple(r for r in healed if states[r] not in reference)
+            else:
+                # No agreed reference (no healthy group, or healthy groups that differ, which the
+                # guard's own replica check judges): no joiner can be shown to hold the right state.
+                refused = healed
+            check = RecoveryCheck(step=step, healed=healed, refused=refused, states=states)
+            self.recovery = self._check = check
+        # Every rank of every group takes part (a joiner's first quorum changes it everywhere).
+        any_refused, this_group = self._group_flags(
+            check is not None and bool(check.refused), check is not None and comm.rank in check.refused
+        )
+        if not any_refused:
+            if check is not None:
+                log.info("step %d: the recovered state of group(s) %s equals the quorum's", step, healed)
             return
-        states = tuple(got[1:] for got in rows)
-        reference = {st for r, st in enumerate(states) if r not in healed}
-        if len(reference) == 1:
-            refused = tuple(r for r in healed if states[r] not in reference)
-        else:
-            # No agreed reference (no healthy group, or healthy groups that differ, which the
-            # guard's own replica check judges): no joiner can be shown to hold the right state.
-            refused = healed
-        check = RecoveryCheck(step=step, healed=healed, refused=refused, states=states)
-        self.recovery = self._check = check
-        if not refused:
-            log.info("step %d: the recovered state of group(s) %s equals the quorum's", step, healed)
-            return
+        if check is None:
+            raise GuardError("internal: a refusal in a column of a quorum in which no group healed")
         # A bad copy, not silent corruption: every group votes the step down (torchft's vote is
         # per group), the joiner leaves, and no incident is written (none would name a device).
-        self.manager.report_error(RecoveryRefused(check, refused[0]))
+        self.manager.report_error(RecoveryRefused(check, comm.rank))
         if self.manager.should_commit():
             raise GuardError(f"internal: step {step} committed after report_error")
-        if comm.rank in refused:
+        if this_group:
             refusal = RecoveryRefused(check, comm.rank)
             log.error("%s", refusal)
             # Stop heartbeating at once, so the lighthouse drops this group from the next quorum.
             self.manager.shutdown(wait=False)
             raise refusal
         log.error(
-            "step %d: the recovered state of group(s) %s refused; the step is taken again", step, refused
+            "step %d: the recovered state of group(s) %s refused; the step is taken again",
+            step,
+            check.refused,
         )
         self._refusal = check
+
+    def _group_flags(self, *flags: bool) -> tuple[bool, ...]:
+        """Each flag, true when it is true on any rank of this replica group (collective over the
+        group's ranks; nothing to share with one rank)."""
+        group = self.replicas.group
+        if group is None:
+            return flags
+        t = torch.tensor([int(f) for f in flags], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        return tuple(bool(v) for v in t.tolist())
+
+    def _group_outcomes(self, mine: _Outcome) -> list[_Outcome]:
+        """Every rank's outcome of a step this group did not commit, in the group's rank order
+        (collective over the group's ranks; every rank of a group reaches it, since torchft's
+        commit vote is one for the whole group)."""
+        group = self.replicas.group
+        if group is None:
+            return [mine]
+        out: list[_Outcome] = [None] * self.replicas.group_size
+        dist.all_gather_object(out, mine, group=group)
+        return out
 
     def _reform(self) -> None:
         """A guard over the groups in the new quorum: its ring, arbiters and nodes are theirs."""
@@ -318,46 +368,70 @@ class TorchftGuard:
             # Voted down in begin() (a joiner's bad copy): no group computes this step.
             self._refusal = None
             return TorchftStep(step=s, committed=False, participants=n, recovery=check)
+        mine: _Outcome = None
         try:
             result = guard.step(*microbatches)
         except _VotedDown:
+            pass
+        except CorruptionDetected as exc:
+            # Every group holds its column's verdict (the guard's judgement is collective over the
+            # column): each votes its own step down, since torchft's should_commit counts only the
+            # group's own ranks.
+            self.manager.report_error(exc)
+            if self.manager.should_commit():
+                raise GuardError(f"internal: step {s} committed after report_error") from exc
+            mine = exc.incident
+        except BaseException as exc:
+            # Whatever stopped the step here stops it in this group's vote too, and the group's
+            # other ranks (waiting in the vote or in the outcomes) stop with it.
+            self.manager.report_error(exc if isinstance(exc, Exception) else RuntimeError(repr(exc)))
+            if self.replicas.group is not None:
+                self.manager.should_commit()
+                self._group_outcomes(f"{type(exc).__name__}: {exc}")
+            raise
+        else:
+            return TorchftStep(
+                step=s, committed=True, participants=n, result=result, t_committed=time.time(), recovery=check
+            )
+        outcomes = self._group_outcomes(mine)
+        for rank, got in enumerate(outcomes):
+            if isinstance(got, str):
+                raise GuardError(
+                    f"step {s}: rank {rank} of this replica group failed ({got}); every group voted "
+                    "the step down"
+                )
+        verdicts = [(rank, got) for rank, got in enumerate(outcomes) if isinstance(got, Incident)]
+        if not verdicts:
             log.warning("step %d: torchft's commit vote said no; it is taken again", s)
             return TorchftStep(step=s, committed=False, participants=n, recovery=check)
-        except CorruptionDetected as exc:
-            return dataclasses.replace(self._verdict(s, n, exc), recovery=check)
-        except BaseException as exc:
-            # Whatever stopped the step here stops it in this group's vote too.
-            self.manager.report_error(exc if isinstance(exc, Exception) else RuntimeError(repr(exc)))
-            raise
-        return TorchftStep(
-            step=s, committed=True, participants=n, result=result, t_committed=time.time(), recovery=check
-        )
+        return dataclasses.replace(self._verdict(s, n, verdicts), recovery=check)
 
-    def _verdict(self, s: int, n: int, exc: CorruptionDetected) -> TorchftStep:
-        incident = exc.incident
-        # Every group holds the same verdict (the guard's judgement is collective): each votes its
-        # own step down, since torchft's should_commit counts only the group's own ranks.
-        self.manager.report_error(exc)
-        if self.manager.should_commit():
-            raise GuardError(f"internal: step {s} committed after report_error") from exc
+    def _verdict(self, s: int, n: int, verdicts: list[tuple[int, Incident]]) -> TorchftStep:
+        """The group's decision from its columns' verdicts (``(group rank, incident)``, in rank
+        order): the same in every group, since each column's verdict is the same in every group.
+        The first column's incident is the one written and raised."""
+        column, incident = verdicts[0]
         suspects = set(incident.suspect_ranks)
-        left = n - len(suspects)
         minimum = int(getattr(self.manager, "_min_replica_size", 1))
-        if (
-            incident.classification not in _LEAVES
-            or len(suspects) != 1
-            or len(incident.suspect_nodes) != 1
-            or left < max(minimum, 1)
-        ):
+        leaves = all(
+            got.classification in _LEAVES
+            and len(set(got.suspect_ranks)) == 1
+            and len(got.suspect_nodes) == 1
+            and got.suspect_nodes == incident.suspect_nodes
+            and set(got.suspect_ranks) == suspects
+            for _, got in verdicts
+        )
+        if not leaves or n - len(suspects) < max(minimum, 1):
             # Today's stop: no group can be trusted alone (ambiguous), the batch or the run is at
             # fault rather than a device (data, divergence), more than one group is named (one
-            # replacement at a time), or too few groups would be left.
-            self._write(incident)
-            raise exc
+            # replacement at a time), the columns disagree on the group, or too few groups would
+            # be left.
+            self._write(incident, column)
+            raise CorruptionDetected(incident)
         incident = dataclasses.replace(
             incident, continuation=Continuation(mode="no_restart", replica_group=incident.suspect_nodes[0])
         )
-        self._write(incident)
+        self._write(incident, column)
         if self.replicas.comm.rank in suspects:
             log.error("step %d: this replica group is named (%s); it leaves the quorum", s, incident.id)
             # Stop heartbeating at once (the lighthouse drops a silent group), then 87 as today.
@@ -371,13 +445,14 @@ class TorchftGuard:
         )
         return TorchftStep(step=s, committed=False, participants=n, incident=incident)
 
-    def _write(self, incident: Incident) -> None:
-        """The incident file, from the lowest quorum rank the verdict does not name."""
+    def _write(self, incident: Incident, column: int) -> None:
+        """The incident file, once: from the rank of ``column`` (a rank within the groups) in the
+        lowest quorum rank the verdict does not name."""
         if self._incident_dir is None:
             return
         named = set(incident.suspect_ranks)
         writer = min((r for r in range(self.replicas.comm.world_size) if r not in named), default=0)
-        if self.replicas.comm.rank == writer:
+        if self.replicas.comm.rank == writer and self.replicas.group_rank == column:
             path = write_incident(incident, self._incident_dir, mode=self._incident_mode)
             log.error("incident %s written to %s", incident.id, path)
 

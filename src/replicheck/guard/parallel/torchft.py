@@ -1,20 +1,29 @@
-"""torchft replica groups (issue 28, first slice): one rank per replica group, the groups kept
-equal by torchft's per-step quorum and ``Manager.allreduce``; see ``docs/no-restart.md``.
+"""torchft replica groups (issue 28): DDP inside a replica group of one or more ranks, torchft
+across the groups; see ``docs/no-restart.md``.
 
-Inside a group there is one process, so every message of the guard crosses groups: the step's
-rows, the ring exchange and the replica comparisons travel over torchft's reconfigurable process
-group (the ``pg`` given to the ``Manager``), whose rank and size are the quorum's
-(``Manager.participating_rank()``, ``Manager.num_participants()``) and change when the quorum does.
+torchft connects rank ``l`` of every group in the quorum through its reconfigurable process group
+(the ``pg`` given to rank ``l``'s ``Manager``): a *column*. The guard of rank ``l`` runs over its
+column: the step's rows, the ring exchange and the replica comparisons travel over that ``pg``,
+whose rank and size are the quorum's (``Manager.participating_rank()``,
+``Manager.num_participants()``: the group's index and the group count) and change when the quorum
+does. Every rank's probe is thus replayed by the same rank of another group, and every rank's
+weights and optimizer state are compared with the same rank's in the other groups (under DDP all
+ranks of a group hold the same state, so each column compares the whole model).
+:class:`replicheck.integrations.torchft.TorchftGuard` combines the columns' verdicts inside each
+group, so every rank of a group acts alike.
 
 The gradient hook sits where ``torchft.DistributedDataParallel`` puts its own: in the comm-hook
-slot of a torch ``DistributedDataParallel`` built as torchft builds it (a dummy process group that
-absorbs DDP's own collectives, ``find_unused_parameters=True`` so the buckets never rebuild). The
-hook sees each bucket of this group's gradient first (the guard's local checks), then averages it
-over the quorum through ``Manager.allreduce``.
+slot of a torch ``DistributedDataParallel``. With one rank per group that DDP runs on a dummy
+process group that absorbs DDP's own collectives, as torchft builds it; with several, on the
+group's own process group (``group``). ``find_unused_parameters=True`` keeps the buckets from
+rebuilding. The hook sees each bucket of this rank's gradient first (the guard's local checks),
+averages it inside the group (several ranks), then over the quorum through ``Manager.allreduce``.
 
-Not in this slice, refused at construction (:class:`~replicheck.guard.errors.GuardConfigError`):
-more than one rank per group (DDP or FSDP2 inside a group), an FSDP2 module, torchft's async
-quorum, tolerant mode, ``global_item_count``.
+Device discipline: gloo only (``TorchftComm``): every message of the guard is built and moved on
+the host; the group's own all-reduce moves the gradient bucket where it is.
+
+Not built, refused at construction (:class:`~replicheck.guard.errors.GuardConfigError`): an FSDP2
+module (FSDP2 inside a group), torchft's async quorum, tolerant mode, ``global_item_count``.
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ from replicheck.guard.config import GuardConfig
 from replicheck.guard.errors import GuardConfigError
 from replicheck.guard.parallel.alone import AloneReplays
 from replicheck.guard.parallel.base import Parallelism, Replays, module_device
+from replicheck.guard.parallel.ddp_hook import BucketCount, finish_reductions
 from replicheck.guard.parallel.torchft_hook import TorchftGradHealth, comm_hook
 from replicheck.guard.transport.comm import Comm
 
@@ -96,9 +106,14 @@ class TorchftComm(Comm):
 
 
 class TorchftReplicas(Parallelism):
-    """One rank per torchft replica group; the guard's comparisons and ring span the groups in the
-    quorum (module docstring). Pass it as ``Guard(replicas.model, ..., parallelism=replicas)``, or
-    let :class:`replicheck.integrations.torchft.TorchftGuard` build it.
+    """DDP inside a torchft replica group, torchft across the groups; the guard's comparisons and
+    ring span the groups in the quorum, rank by rank (module docstring). Pass it as
+    ``Guard(replicas.model, ..., parallelism=replicas)``, or let
+    :class:`replicheck.integrations.torchft.TorchftGuard` build it.
+
+    ``group`` is this replica group's own process group (its ranks only: in a group started by
+    its own ``torchrun``, the default group), required when the manager's group has more than one
+    rank (``Manager(world_size=...)``); its size must be that.
 
     Taken explicitly rather than claimed from a ``torchft.DistributedDataParallel``: that wrapper
     has already taken DDP's comm-hook slot for its own averaging (a slot DDP fills once), and the
@@ -107,15 +122,23 @@ class TorchftReplicas(Parallelism):
 
     kind = "torchft"
 
-    def __init__(self, manager: Any, pg: Any, module: torch.nn.Module) -> None:
-        _refuse(manager, pg, module)
+    def __init__(
+        self, manager: Any, pg: Any, module: torch.nn.Module, group: dist.ProcessGroup | None = None
+    ) -> None:
+        self.group_size = _refuse(manager, pg, module, group)
+        """Ranks in this replica group."""
         from torchft.process_group import ProcessGroupDummy
 
-        # As torchft builds its DDP: the dummy group absorbs DDP's start-up broadcast and the
-        # used-parameters all-reduce; find_unused_parameters keeps the bucket layout fixed.
-        ddp = DistributedDataParallel(
-            module, process_group=ProcessGroupDummy(0, 1), find_unused_parameters=True
-        )
+        # One rank: as torchft builds its DDP, the dummy group absorbs DDP's start-up broadcast and
+        # the used-parameters all-reduce. Several: DDP's own group is the replica group (its
+        # start-up broadcast makes the group's ranks equal). find_unused_parameters keeps the
+        # bucket layout fixed.
+        inner = group if self.group_size > 1 else ProcessGroupDummy(0, 1)
+        ddp = DistributedDataParallel(module, process_group=inner, find_unused_parameters=True)
+        self.group = group if self.group_size > 1 else None
+        """The replica group's own process group (``None`` for one rank)."""
+        self.group_rank = dist.get_rank(self.group) if self.group is not None else 0
+        """This rank within its replica group (its column)."""
         comm = TorchftComm(manager, pg)
         super().__init__(ddp, module, comm)
         self.quorum_comm = comm
@@ -125,7 +148,8 @@ class TorchftReplicas(Parallelism):
         self.health: TorchftGradHealth | None = None
         """The newest guard's gradient view, which the comm hook feeds."""
         self._compute = module_device(module)
-        ddp.register_comm_hook(self, comm_hook)
+        self._buckets = BucketCount()
+        ddp.register_comm_hook(self, self._buckets.wrap(comm_hook))
 
     @property
     def device(self) -> torch.device:
@@ -144,7 +168,7 @@ class TorchftReplicas(Parallelism):
                 "torchft replica groups: GuardConfig(global_item_count=True) is not supported yet "
                 "(its item count is summed over torch.distributed's group, not torchft's)"
             )
-        self.health = TorchftGradHealth(self.manager, digest_reduced=config.check_reduced)
+        self.health = TorchftGradHealth(self.manager, self.group, digest_reduced=config.check_reduced)
         return self.health
 
     def replays(self, params: Sequence[torch.nn.Parameter]) -> Replays:
@@ -160,13 +184,29 @@ class TorchftReplicas(Parallelism):
 
     @contextmanager
     def failing_backward(self, synced: bool) -> Iterator[None]:
-        # A group whose backward fails votes its step down through the manager (TorchftGuard);
-        # the other groups' all-reduces then fail or time out and vote theirs down too.
-        yield
+        """On the synchronising pass, the reductions this rank never launched (inside the group
+        and over the quorum) are completed with zeros, as under DDP; the step is voted down."""
+        self._buckets.launched = 0
+        try:
+            yield
+        except Exception:
+            if synced and self.health is not None:
+                finish_reductions(self.ddp, self._buckets.launched)
+            raise
+
+    def join_failed_backward(self) -> None:
+        """This rank failed before the synchronising backward: its part in every reduction the
+        others run, with zeros, then DDP's used-parameters all-reduce (inside the group)."""
+        if self.health is None:
+            return
+        finish_reductions(self.ddp, 0)
+        if self.group is not None:
+            used = [p for p in self.ddp.module.parameters() if p.requires_grad]
+            dist.all_reduce(torch.zeros(len(used), dtype=torch.int32, device=self._compute), group=self.group)
 
 
-def _refuse(manager: Any, pg: Any, module: torch.nn.Module) -> None:
-    """What this slice does not support, refused before anything is built."""
+def _refuse(manager: Any, pg: Any, module: torch.nn.Module, group: dist.ProcessGroup | None) -> int:
+    """What is not supported, refused before anything is built; returns the group's size."""
     from torch.distributed.fsdp import FSDPModule
 
     if isinstance(module, DistributedDataParallel):
@@ -188,9 +228,24 @@ def _refuse(manager: Any, pg: Any, module: torch.nn.Module) -> None:
             "the quorum's membership before the forward, and a healed group's state must be in "
             "place before it computes)"
         )
-    group_size = getattr(manager, "_group_world_size", 1)
-    if group_size != 1:
+    group_size = int(getattr(manager, "_group_world_size", 1))
+    if group_size == 1:
+        return 1
+    if group is None:
         raise GuardConfigError(
-            f"torchft replica groups of {group_size} ranks are not supported yet: one rank per "
-            "replica group (Manager(world_size=1)) in this version"
+            f"the torchft Manager's replica group has {group_size} ranks (Manager(world_size=...)): "
+            "pass the group's own process group as group= (its ranks only; under a torchrun per "
+            "replica group, torch.distributed's default group)"
         )
+    size = dist.get_world_size(group)
+    if size != group_size:
+        raise GuardConfigError(
+            f"group= has {size} ranks but the torchft Manager's replica group has {group_size}: "
+            "pass the process group of this replica group's ranks"
+        )
+    if dist.get_backend(group) != "gloo":
+        raise GuardConfigError(
+            "torchft replica groups: the group's own process group must be gloo in this version "
+            f"(got {dist.get_backend(group)!r}); NCCL is not built yet"
+        )
+    return group_size

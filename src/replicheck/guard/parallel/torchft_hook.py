@@ -1,10 +1,12 @@
 """The comm hook of :class:`~replicheck.guard.parallel.torchft.TorchftReplicas`: the guard's view of
-each bucket of this replica group's gradient, then torchft's average over the quorum."""
+each bucket of this rank's gradient, its average inside the replica group, then torchft's average
+over the quorum."""
 
 # No `from __future__ import annotations`: DDP inspects the comm hook's annotations at runtime.
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch._C._distributed_c10d import GradBucket  # torch's stubs do not re-export it from torch.distributed
 
 from replicheck import fingerprint as fp
@@ -13,18 +15,26 @@ from replicheck.guard.errors import GuardConfigError
 
 
 class TorchftGradHealth(GradStats):
-    """The guard's view of each bucket of this group's gradient (local squared norm), then the
-    average over the quorum through ``Manager.allreduce`` (what torchft's own DDP hook does), then
-    the reduced bucket's digest and the reduced-gradient hooks."""
+    """The guard's view of each bucket of this rank's gradient (local squared norm), then its
+    average inside the replica group (``group``, several ranks), then the average over the quorum
+    through ``Manager.allreduce`` (what torchft's own DDP hook does), then the reduced bucket's
+    digest and the reduced-gradient hooks. The mean of means is the mean over every rank: the
+    groups in a quorum have the same size."""
 
-    def __init__(self, manager: Any, digest_reduced: bool) -> None:
+    def __init__(self, manager: Any, group: Any, digest_reduced: bool) -> None:
         self.manager = manager
+        self.group = group
         super().__init__(digest_reduced)
 
     def comm_hook(self, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
         buf = bucket.buffer()
         self._local_sq.append(sq_norm(buf))
         index = bucket.index()
+        if self.group is not None:
+            # Waited for here: torchft's all-reduce must see the group's sum, and the wait is
+            # over the group's ranks only (cost flat in the number of groups).
+            buf.div_(dist.get_world_size(self.group))
+            dist.all_reduce(buf, group=self.group)
         work = self.manager.allreduce(buf)
         work.wait()
         # torchft's DDP hook hands DDP the future under its managed wrapper (the wrapper's own
