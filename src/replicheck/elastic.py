@@ -67,6 +67,14 @@ def summary(incident: Incident, *, incident_path: str | os.PathLike[str] | None 
     ]
     if incident_path is not None:
         lines.append(f"  file:     {incident_path}")
+    if incident.continuation is not None and incident.continuation.mode == "no_restart":
+        lines.append(
+            f"  next:     replica group {incident.continuation.replica_group} exits with code 87 and "
+            "the other groups go on without it (no restart, no checkpoint read); the controller "
+            "cordons the suspect node(s), triages, and after approval starts a replacement group "
+            "that joins live; a restart on a suspect node is refused."
+        )
+        return "\n".join(lines)
     lines.append(
         "  next:     the job exits with code 87; the controller cordons the suspect node(s), "
         "triages, and after approval replaces them and resumes"

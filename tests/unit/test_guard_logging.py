@@ -62,3 +62,23 @@ def test_human_summary_says_what_where_and_next() -> None:
     assert "SILENT DATA CORRUPTION detected at step 40 (check replay, persistent)" in text
     assert "rank 0 on n2" in text and "job1-s40-replay" in text and "/shared/inc/" in text
     assert "exits with code 87" in text and "checkpoint step 30" in text and len(text.splitlines()) <= 6
+
+
+def test_the_summary_of_a_no_restart_incident_says_the_others_go_on() -> None:
+    """An incident whose continuation is no_restart (a torchft replica group leaves) says that the
+    named group exits 87 while the others go on and a replacement group joins, not that the job
+    exits and resumes from a checkpoint."""
+    import dataclasses
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "controller"))
+    from ctlkit import make_incident
+
+    from replicheck.incident import Continuation
+
+    incident = dataclasses.replace(
+        make_incident(nodes=("group1",)), continuation=Continuation(mode="no_restart", replica_group="group1")
+    )
+    text = summary(incident)
+    assert "replica group group1 exits with code 87 and the other groups go on without it" in text
+    assert "replacement group that joins live" in text
+    assert "resumes" not in text and "checkpoint step" not in text
