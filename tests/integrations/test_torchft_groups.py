@@ -1,7 +1,8 @@
-"""Replica groups of 2 ranks (DDP inside each group, torchft across the groups) under
-``TorchftGuard``, with the real Rust lighthouse and gloo (``torchft_ranks.py`` is each rank).
+"""Replica groups of 2 ranks (DDP inside each group, or FSDP2 sharding the model over the group's
+ranks; torchft across the groups) under ``TorchftGuard``, with the real Rust lighthouse and gloo
+(``torchft_ranks.py`` is each rank).
 
-One run, 3 groups of 2 ranks: a persistent forward fault on rank 1 of group 1 from ``ONSET`` (a
+One run per kind, 3 groups of 2 ranks: a persistent forward fault on rank 1 of group 1 from ``ONSET`` (a
 verification step). Only the guard of rank 1 (its column: rank 1 of each group) sees it; the
 groups combine their columns' verdicts, so both ranks of group 1 exit 87, and groups 0 and 2 take
 ``ONSET`` again without it in the processes they started in. At ``JOIN_AT`` a replacement group
@@ -33,7 +34,7 @@ FAULTY = 1
 HEARTBEAT_MS = 1000
 
 
-def _run(tmp: Path) -> dict[str, Any]:
+def _run(tmp: Path, fsdp: bool = False) -> dict[str, Any]:
     from torchft._torchft import LighthouseServer
 
     lighthouse = LighthouseServer(
@@ -48,7 +49,13 @@ def _run(tmp: Path) -> dict[str, Any]:
         "go": ctx.Event(),
         **{f"port-{n}": ctx.Queue() for n in names},
     }
-    common = {"lighthouse": lighthouse.address(), "out": str(tmp), "steps": STEPS, "join_at": JOIN_AT}
+    common = {
+        "lighthouse": lighthouse.address(),
+        "out": str(tmp),
+        "steps": STEPS,
+        "join_at": JOIN_AT,
+        "fsdp": fsdp,
+    }
     plans = [
         tr.Plan(name=f"g{g}", group=g, rank=r, fault=(tr.RANKS * FAULTY + 1, ONSET), **common)
         for g in range(3)
@@ -85,9 +92,10 @@ def _run(tmp: Path) -> dict[str, Any]:
     }
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    return _run(tmp_path_factory.mktemp("groups"))
+@pytest.fixture(scope="module", params=["ddp", "fsdp2"])
+def run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The scenario with DDP inside each group, and with FSDP2 (each rank holds a shard)."""
+    return _run(tmp_path_factory.mktemp(f"groups-{request.param}"), fsdp=request.param == "fsdp2")
 
 
 def _committed(record: dict[str, Any]) -> list[int]:
@@ -166,7 +174,7 @@ def test_the_replacement_group_heals_in_both_columns_and_all_end_equal(run: dict
     print(f"wall {run['wall_s']:.1f} s")
 
 
-def _run_failing(tmp: Path, ranks: int, fail: tuple[int, int]) -> dict[str, Any]:
+def _run_failing(tmp: Path, ranks: int, fail: tuple[int, int], fsdp: bool = False) -> dict[str, Any]:
     """3 groups of ``ranks`` ranks, 5 planned steps; the loss function raises on ``fail``."""
     from torchft._torchft import LighthouseServer
 
@@ -190,6 +198,7 @@ def _run_failing(tmp: Path, ranks: int, fail: tuple[int, int]) -> dict[str, Any]
             out=str(tmp),
             steps=5,
             fail=fail,
+            fsdp=fsdp,
         )
         for g in range(3)
         for r in range(ranks)
@@ -214,17 +223,20 @@ def _run_failing(tmp: Path, ranks: int, fail: tuple[int, int]) -> dict[str, Any]
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
-    ("ranks", "fail"), [(1, (1, 2)), (2, (3, 3)), (2, (2, 2))], ids=["1x3-verify", "2x3", "2x3-verify"]
+    ("ranks", "fail", "fsdp"),
+    [(1, (1, 2), False), (2, (3, 3), False), (2, (2, 2), False), (2, (3, 2), True), (2, (0, 3), True)],
+    ids=["1x3-verify", "2x3", "2x3-verify", "fsdp2-2x3-verify", "fsdp2-2x3"],
 )
 def test_a_users_error_on_one_rank_ends_every_rank_of_every_group_promptly(
-    tmp_path: Path, ranks: int, fail: tuple[int, int]
+    tmp_path: Path, ranks: int, fail: tuple[int, int], fsdp: bool
 ) -> None:
     """A loss function that raises on one rank (a user's error: no incident, nobody named) ends
     every rank of every group at that step within seconds, not at torchft's 20 s timeout: the
     failing rank with its own error, the others of its column with the guard's PeerFailed, the
-    other ranks of each group with a GuardError naming the group's failed rank; no rank commits
-    the step, and no incident is written."""
-    run = _run_failing(tmp_path, ranks, fail)
+    other ranks of each group with a GuardError naming the group's failed rank (under FSDP2,
+    whose failure flags span the job, with PeerFailed too); no rank commits the step, and no
+    incident is written."""
+    run = _run_failing(tmp_path, ranks, fail, fsdp)
     target, at = fail
     raised = {}
     for (name, r), rec in run["records"].items():
@@ -238,7 +250,8 @@ def test_a_users_error_on_one_rank_ends_every_rank_of_every_group_promptly(
     for me, got in raised.items():
         if me == target:
             continue
-        if me in column:
+        if me in column or fsdp:
+            # FSDP2's failure flags span the job (its passes are collectives of the group).
             assert got["type"] == "PeerFailed", (me, got)
         else:
             assert got["type"] == "GuardError" and "of this replica group failed" in got["message"], (me, got)

@@ -51,16 +51,23 @@ def loss(module: nn.Module, b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tenso
     return F.mse_loss(module(x), y)
 
 
+def _local(t: Any) -> torch.Tensor:
+    """This rank's part of ``t`` (its shard of a DTensor), on the host."""
+    t = t.to_local() if hasattr(t, "to_local") else torch.as_tensor(t)
+    return t.detach().contiguous()
+
+
 def sha(module: nn.Module, opt: torch.optim.Optimizer) -> tuple[str, str]:
-    """The weights and the AdamW state, bit for bit (independent of the guard's own digests)."""
+    """This rank's weights and AdamW state (its shards under FSDP2), bit for bit (independent of
+    the guard's own digests)."""
     w, o = hashlib.sha256(), hashlib.sha256()
     for name, t in sorted(module.state_dict().items()):
         w.update(name.encode())
-        w.update(t.detach().contiguous().numpy().tobytes())
+        w.update(_local(t).numpy().tobytes())
     for p in (p for g in opt.param_groups for p in g["params"]):
         for key, t in sorted(opt.state.get(p, {}).items()):
             o.update(key.encode())
-            o.update(torch.as_tensor(t).detach().contiguous().numpy().tobytes())
+            o.update(_local(t).numpy().tobytes())
     return w.hexdigest(), o.hexdigest()
 
 
@@ -107,6 +114,8 @@ class Plan:
     """A replacement, started from other weights once told (``events["go"]``)."""
     ranks: int = RANKS
     """Ranks in each replica group."""
+    fsdp: bool = False
+    """FSDP2 inside each group (``fully_shard`` per layer over the group's ranks) instead of DDP."""
 
 
 def main(plan: Plan, events: dict[str, Any]) -> None:
@@ -150,6 +159,12 @@ def _train(plan: Plan, events: dict[str, Any], record: dict[str, Any]) -> None:
     )
     torch.manual_seed(1 if plan.joiner else 0)  # a joiner's own weights differ from the quorum's
     net = Net()
+    if plan.fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in (net.inp, net.out):
+            fully_shard(layer)
+        fully_shard(net)
     opt = torch.optim.AdamW(net.parameters(), lr=LR)
     ttl = timedelta(seconds=20)
     pg = ProcessGroupGloo(timeout=ttl)
@@ -227,6 +242,10 @@ def _train(plan: Plan, events: dict[str, Any], record: dict[str, Any]) -> None:
                 "before": before,
             }
         )
-    record["final"] = {k: v.clone() for k, v in net.state_dict().items()}
+    # The whole weights (a collective of the group under FSDP2: every rank of it gets here).
+    record["final"] = {
+        k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+        for k, v in net.state_dict().items()
+    }
     record["final_step"] = manager.current_step()
     manager.shutdown(wait=False)

@@ -171,7 +171,21 @@ class TorchftGuard:
     ) -> None:
         require("torchft", "torchft")
         self.manager = manager
-        self.replicas = TorchftReplicas(manager, pg, module, group)
+        from torch.distributed.fsdp import FSDPModule
+
+        from replicheck.guard.parallel.torchft_sharded import TorchftSharded
+
+        self.replicas: TorchftReplicas | TorchftSharded
+        if isinstance(module, FSDPModule):
+            if group is not None and group is not dist.group.WORLD:
+                raise GuardConfigError(
+                    "FSDP2 inside a torchft replica group: the group is torch.distributed's "
+                    "default group (a torchrun per replica group); leave group= out or pass "
+                    "dist.group.WORLD"
+                )
+            self.replicas = TorchftSharded(manager, pg, module)
+        else:
+            self.replicas = TorchftReplicas(manager, pg, module, group)
         self._optimizer, self._loss_fn = optimizer, loss_fn
         cfg = config if config is not None else GuardConfig()
         # The incident is written here, once the verdict's consequence (leave or stop) is known.

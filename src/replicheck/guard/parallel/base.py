@@ -115,6 +115,12 @@ class Replays(ABC):
         collective, every rank then runs ``filler`` passes up to the most any rank ran."""
         return run()
 
+    def settle(self, filler: Callable[[Any], object]) -> None:
+        """After the step's checks, before its update: where ranks that run passes in lockstep
+        judge different rows (torchft's columns inside one replica group), take part, with
+        ``filler`` passes, in the phases the others are still in, until every one is done."""
+        return None
+
 
 class Parallelism(ABC):
     """One kind of parallel job, and every answer the guard needs about it (module docstring)."""

@@ -106,8 +106,13 @@ class GradTap(GradStats):
         digest_reduced: bool,
         check_scatter: bool = False,
         alone: bool = False,
+        across: Callable[[torch.Tensor], None] | None = None,
     ) -> None:
         self._mode: TapMode = "train"
+        self._across = across
+        """The reduction across replica groups that FSDP itself does not run (torchft's groups):
+        applied in place to each reduced shard of a training pass, before the reduced-gradient
+        hooks and digest."""
         self._alone = alone
         """World size 1: no reduce-scatter runs; the hook after each reduction sees the gradient."""
         self.scatter = ScatterCheck() if check_scatter else None
@@ -199,6 +204,8 @@ class GradTap(GradStats):
             self._local_sq.append(sq_norm(reduced))
         if self._mode == "probe":
             return
+        if self._across is not None:
+            self._across(reduced)
         index, self._index = self._index, self._index + 1
         self._run_hooks(index, reduced)
         if self.scatter is not None and self.reduced_hooks:

@@ -129,6 +129,17 @@ class LockstepReplays(Replays):
             filler(self._filler)
         return out
 
+    def settle(self, filler: Callable[[Any], object]) -> None:
+        """Filler passes for the phases the other ranks of this rank's lockstep group are still
+        in, where the communicator tells them (``idle()``: the passes of the next phase, ``None``
+        once every rank is done); elsewhere every rank judged the same rows and is done."""
+        idle = getattr(self._comm, "idle", None)
+        if idle is None:
+            return
+        while (most := idle()) is not None:
+            for _ in range(most):
+                filler(self._filler)
+
 
 def _square(t: torch.Tensor, index: int) -> torch.Tensor:
     return sq_norm(t)

@@ -216,18 +216,10 @@ def _refuse(manager: Any, pg: Any, module: torch.nn.Module, group: dist.ProcessG
         )
     if isinstance(module, FSDPModule) or any(hasattr(p, "device_mesh") for p in module.parameters()):
         raise GuardConfigError(
-            "torchft replica groups: FSDP2 inside a replica group is not supported yet (one rank "
-            "per group, the whole model replicated)"
+            "TorchftReplicas takes a module that is not sharded; for FSDP2 inside a replica group "
+            "use TorchftSharded (TorchftGuard picks it for a fully_shard model)"
         )
-    # torchft has no public accessor for these three; they are what the Manager was built with.
-    if getattr(manager, "_pg", pg) is not pg:
-        raise GuardConfigError("pg must be the process group given to the torchft Manager")
-    if getattr(manager, "_use_async_quorum", False):
-        raise GuardConfigError(
-            "torchft replica groups: Manager(use_async_quorum=False) is required (the guard reads "
-            "the quorum's membership before the forward, and a healed group's state must be in "
-            "place before it computes)"
-        )
+    refuse_manager(manager, pg)
     group_size = int(getattr(manager, "_group_world_size", 1))
     if group_size == 1:
         return 1
@@ -249,3 +241,16 @@ def _refuse(manager: Any, pg: Any, module: torch.nn.Module, group: dist.ProcessG
             f"(got {dist.get_backend(group)!r}); NCCL is not built yet"
         )
     return group_size
+
+
+def refuse_manager(manager: Any, pg: Any) -> None:
+    """A manager the guard cannot follow, refused before anything is built."""
+    # torchft has no public accessor for these; they are what the Manager was built with.
+    if getattr(manager, "_pg", pg) is not pg:
+        raise GuardConfigError("pg must be the process group given to the torchft Manager")
+    if getattr(manager, "_use_async_quorum", False):
+        raise GuardConfigError(
+            "torchft replica groups: Manager(use_async_quorum=False) is required (the guard reads "
+            "the quorum's membership before the forward, and a healed group's state must be in "
+            "place before it computes)"
+        )

@@ -405,6 +405,9 @@ class Guard:
             )
         except RerunFailed as exc:
             failed = exc  # raised below, outside the handler (not chained to RerunFailed)
+        # Every follow-up pass of this rank is done; some parallelisms' ranks may still owe
+        # others theirs (torchft's columns inside a sharded group).
+        self._recompute.settle(s)
         if failed is not None:
             self._stop_unresolved(s, failed)
         result = StepResult(

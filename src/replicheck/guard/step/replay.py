@@ -166,6 +166,11 @@ class Recompute:
             passes, run, lambda batch: self.probe(batch, weight=1.0, seed=0, step=step)
         )
 
+    def settle(self, step: int) -> None:
+        """After the step's checks: discarded passes for the phases other ranks that run in
+        lockstep with this one are still in (:meth:`Replays.settle`)."""
+        self._replays.settle(lambda batch: self.probe(batch, weight=1.0, seed=0, step=step))
+
     def payload(self, payload: ProbePayload, step: int) -> ProbeResult:
         """Replay a probe as its source sent it."""
         return self.probe(payload.batch, weight=payload.weight, seed=payload.seed, step=step)
