@@ -1,6 +1,6 @@
 """What the torchft integration does not support is refused with a GuardConfigError that says so,
 before any quorum: a group of several ranks without its own process group (or with one of
-another size), FSDP2 inside a group, a model already
+another size), an FSDP2 module given to the DDP parallelism, FSDP2 over one rank per group, a model already
 wrapped in DDP, torchft's async quorum, tolerant mode, ``global_item_count``, a second
 ``TorchftGuard`` on one manager. Real managers
 against a real lighthouse (in this process)."""
@@ -119,10 +119,11 @@ def test_wrapped_models_another_group_and_unsupported_modes_are_refused(lighthou
         m.shutdown(wait=False)
 
 
-def _shard_and_refuse(ctx: Any) -> tuple[str, str]:
+def _shard_and_refuse(ctx: Any) -> tuple[str, ...]:
     """On a 1-rank gloo job: an FSDP2 module handed to TorchftReplicas is refused (the module is
     checked before the manager, so no manager is needed to see it); a manager of a 2-rank replica
-    group given this 1-rank group as the group's own is refused."""
+    group given this 1-rank group as the group's own is refused; FSDP2 in a replica group of one
+    rank (nothing to shard over) is refused by TorchftGuard."""
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
     from torchft._torchft import LighthouseServer
@@ -141,16 +142,27 @@ def _shard_and_refuse(ctx: Any) -> tuple[str, str]:
         messages.append(str(exc))
     finally:
         m.shutdown(wait=False)
+    pg = _pg()
+    m = _manager(server.address(), pg)
+    sharded = fully_shard(nn.Linear(4, 4))
+    try:
+        TorchftGuard(m, pg, sharded, torch.optim.SGD(sharded.parameters(), lr=0.1), _loss)
+    except GuardConfigError as exc:
+        messages.append(str(exc))
+    finally:
+        m.shutdown(wait=False)
         server.shutdown()
-    return messages[0], messages[1] if len(messages) > 1 else "accepted"
+    return tuple(messages) if len(messages) == 3 else (*messages, "accepted")
 
 
 @pytest.mark.timeout(120)
 def test_an_fsdp2_module_and_a_group_of_another_size_are_refused() -> None:
-    """FSDP2 inside a replica group is not built: refused, saying so; a replica group's own
-    process group whose size is not the manager's group size is refused."""
+    """A sharded module handed to the DDP-in-a-group parallelism is refused, naming the FSDP2 one
+    (TorchftGuard picks it itself); a replica group's own process group whose size is not the
+    manager's group size is refused; FSDP2 over a replica group of one rank is refused."""
     from replicheck.harness.launch import node_names, run_local
 
-    ((fsdp, size),) = run_local(_shard_and_refuse, node_names(1, 1), timeout=100)
-    assert "FSDP2 inside a replica group is not supported" in fsdp
+    ((fsdp, size, alone),) = run_local(_shard_and_refuse, node_names(1, 1), timeout=100)
+    assert "TorchftReplicas takes a module that is not sharded" in fsdp and "TorchftSharded" in fsdp
     assert "group= has 1 ranks but the torchft Manager's replica group has 2" in size
+    assert "shard over the group's own ranks, 2 or more" in alone
