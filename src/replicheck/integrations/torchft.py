@@ -1,8 +1,8 @@
 """The guard inside torchft's step (issue 28; ``docs/no-restart.md``).
 
 :class:`TorchftGuard` runs one guarded step per call on each rank of a torchft replica group (one
-rank, or several with DDP inside the group; the guard of rank ``l`` spans rank ``l`` of every
-group, :mod:`replicheck.guard.parallel.torchft`):
+rank, or several with DDP or FSDP2 inside the group; the guard of rank ``l`` spans rank ``l`` of
+every group, :mod:`replicheck.guard.parallel.torchft`, :mod:`replicheck.guard.parallel.torchft_sharded`):
 
 1. ``Manager.start_quorum()`` (synchronous quorum); when the quorum changed (its id, this group's
    rank or the group count), the guard is built again over the groups now in it, so its ring,
@@ -130,7 +130,9 @@ class TorchftGuard:
 
     One instance per rank. ``group``: the replica group's own process group, required when the
     group has several ranks (``Manager(world_size=k)``, ``k > 1``; under a ``torchrun`` per group,
-    torch.distributed's default group); DDP runs inside it and torchft across the groups. Every
+    torch.distributed's default group); DDP runs inside it and torchft across the groups. A
+    ``fully_shard`` module (FSDP2 over the group's ranks, a 1-D mesh on the default group) is
+    guarded as such (:class:`~replicheck.guard.parallel.torchft_sharded.TorchftSharded`). Every
     rank of a group acts alike: the columns' verdicts are combined inside the group when a step is
     not committed (one small all-gather over the group's ranks, only then), and a recovered-state
     refusal in any column refuses the whole group.

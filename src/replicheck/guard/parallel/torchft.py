@@ -22,8 +22,9 @@ averages it inside the group (several ranks), then over the quorum through ``Man
 Device discipline: gloo only (``TorchftComm``): every message of the guard is built and moved on
 the host; the group's own all-reduce moves the gradient bucket where it is.
 
-Not built, refused at construction (:class:`~replicheck.guard.errors.GuardConfigError`): an FSDP2
-module (FSDP2 inside a group), torchft's async quorum, tolerant mode, ``global_item_count``.
+FSDP2 inside a group is :mod:`replicheck.guard.parallel.torchft_sharded`. Not built, refused at
+construction (:class:`~replicheck.guard.errors.GuardConfigError`): torchft's async quorum,
+tolerant mode, ``global_item_count``, NCCL.
 """
 
 from __future__ import annotations
