@@ -20,7 +20,7 @@ from ctlkit import Clock, Counting, TransientBackendError, make_incident
 
 from replicheck.controller import Controller, ControllerConfig, LocalBackend
 from replicheck.controller.backends.base import JoinRequest
-from replicheck.controller.errors import JoinNotBuiltError
+from replicheck.controller.errors import JoinNotBuiltError, PermanentBackendError
 from replicheck.controller.executor import DRY_RUN_NOTE
 from replicheck.controller.machine import initial_record, transition
 from replicheck.controller.model import ActionDone, ActionKind, Approved, Record, State, Step, Tick
@@ -401,8 +401,9 @@ def test_join_into_an_ended_job_fails_and_does_not_resume(env: Callable[..., Any
 
 
 def test_other_backends_say_the_join_is_designed_not_built() -> None:
-    """The Slurm, Kubernetes and HyperPod (no orchestrator) backends refuse a join with a typed
-    error pointing at the design; HyperPod with an orchestrator hands the join to it."""
+    """The Kubernetes and HyperPod (no orchestrator) backends refuse a join with a typed error
+    pointing at the design; HyperPod with an orchestrator hands the join to it (Slurm without a
+    join_command: refused before any command, saying to start the group by hand)."""
     from replicheck.controller.backends.hyperpod import HyperPodBackend, HyperPodConfig
     from replicheck.controller.backends.kube_config import KubernetesConfig
     from replicheck.controller.backends.kubernetes import KubernetesBackend
@@ -410,7 +411,6 @@ def test_other_backends_say_the_join_is_designed_not_built() -> None:
 
     request = JoinRequest("job1-s40-replay", "job1", "rg1", ("s1",), ("n2",))
     backends = (
-        SlurmBackend(),
         KubernetesBackend(KubernetesConfig(host="http://127.0.0.1:9")),
         HyperPodBackend(HyperPodConfig(cluster_name="c", orchestrator="none"), client=object()),
     )
@@ -421,8 +421,10 @@ def test_other_backends_say_the_join_is_designed_not_built() -> None:
     orchestrated = HyperPodBackend(
         HyperPodConfig(cluster_name="c"), client=object(), orchestrator=SlurmBackend()
     )
-    with pytest.raises(JoinNotBuiltError, match="the slurm backend"):
+    with pytest.raises(PermanentBackendError, match=r"no \[slurm\] join_command .* by hand"):
         orchestrated.join(request, "k")
+    with pytest.raises(PermanentBackendError, match="join_command"):
+        SlurmBackend().join(request, "k")
 
 
 def test_continuation_validated_on_the_api_path() -> None:

@@ -448,6 +448,51 @@ def test_recreate_resume_of_unknown_job_is_permanent(server: FakeApiServer) -> N
         backend(server, resume_mode="recreate").resume(ResumeRequest("i", "nope", None, ()), "i:resume:nope")
 
 
+def test_join_copies_the_departed_groups_job_once(server: FakeApiServer) -> None:
+    """join_mode=copy starts one replacement replica group: a copy of the departed group's Job
+    without the server-set selector and controller labels, with REPLICA_GROUP_ID set in every
+    container and the group and join labels; a repeat with the same key sends no second POST,
+    and the departed Job itself is never modified."""
+    from replicheck.controller.backends.base import JoinRequest
+
+    server.add_job("ml", TRAINING_JOB)
+    b = backend(server, join_mode="copy")
+    request = JoinRequest("inc-s30-replay", "ml/llm", "group1", (), ("n2",))
+    first = b.join(request, "inc-s30-replay:join_replacement:ml/llm")
+    again = b.join(request, "inc-s30-replay:join_replacement:ml/llm")
+    (post,) = [r for r in server.requests if r.method == "POST"]
+    assert [r for r in server.requests if r.method in ("PUT", "PATCH", "DELETE")] == []
+    assert post.path == "/apis/batch/v1/namespaces/ml/jobs" and again["detail"].startswith("already started")
+    job = post.body
+    assert job["metadata"]["name"] == first["job_id"].split("/")[1] and "-join-" in job["metadata"]["name"]
+    assert job["metadata"]["labels"]["team"] == "a"
+    assert job["metadata"]["labels"]["replicheck.io/replica-group"] == "group1"
+    assert job["metadata"]["annotations"]["replicheck.io/joins-for"] == "llm"
+    assert "selector" not in job["spec"]
+    labels = job["spec"]["template"]["metadata"]["labels"]
+    assert labels["app"] == "llm" and "controller-uid" not in labels and "job-name" not in labels
+    assert labels["replicheck.io/replica-group"] == "group1"
+    env = job["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert env[-1] == {"name": "REPLICA_GROUP_ID", "value": "group1"} and {"name": "A", "value": "1"} in env
+
+
+def test_join_refuses_bad_values_and_a_missing_job(server: FakeApiServer) -> None:
+    """An option-like replica group never reaches a request; a departed Job that is gone is a
+    permanent error saying to start the group by hand; join_mode=none (the default) refuses with
+    the typed not-built error."""
+    from replicheck.controller.backends.base import JoinRequest
+    from replicheck.controller.errors import JoinNotBuiltError
+
+    b = backend(server, join_mode="copy")
+    with pytest.raises(PermanentBackendError, match="replica group"):
+        b.join(JoinRequest("inc", "ml/llm", "-x", (), ()), "inc:join_replacement:ml/llm")
+    assert server.requests == []
+    with pytest.raises(PermanentBackendError, match="by hand"):
+        b.join(JoinRequest("inc", "ml/gone", "group1", (), ()), "inc:join_replacement:ml/gone")
+    with pytest.raises(JoinNotBuiltError, match="join_mode=none"):
+        backend(server).join(JoinRequest("inc", "ml/llm", "group1", (), ()), "k")
+
+
 def test_job_restart_resume_sends_nothing(server: FakeApiServer) -> None:
     """resume_mode=job-restart (default) leaves the restart to the Job's own policy: no request."""
     result = backend(server).resume(ResumeRequest("i", "llm", None, ("n2",)), "i:resume:llm")

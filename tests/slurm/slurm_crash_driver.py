@@ -5,7 +5,8 @@ is appended to LOG before it runs. Used by test_slurm_exactly_once.py as a subpr
     slurm_crash_driver.py DB SLURM_CONF LOG MODE JOB [before:METHOD | after:METHOD | cmd:TEXT]
 
 MODE: default (scontrol state=fail), custom (replace_command), resubmit, dismiss, triage (a
-transient incident self-tested through Slurm; stops awaiting approval). ``cmd:TEXT`` SIGKILLs
+transient incident self-tested through Slurm; stops awaiting approval), join (a no-restart
+incident: one replacement replica group started with join_command). ``cmd:TEXT`` SIGKILLs
 right before the first command whose argv contains TEXT (inside a backend call); ``cmd:TEXT#N``
 before the Nth such command.
 """
@@ -23,7 +24,7 @@ from typing import Any
 from replicheck.controller import Controller, ControllerConfig, State
 from replicheck.controller.backends.commands import CommandResult, CommandRunner
 from replicheck.controller.backends.slurm import SlurmBackend, SlurmConfig
-from replicheck.incident import Incident, NodeIdentity, Suspect
+from replicheck.incident import Continuation, Incident, NodeIdentity, Suspect
 
 NODE = "node3"
 
@@ -94,6 +95,18 @@ def main() -> int:
                 "sleep 600",
             ),
         }
+    if mode == "join":
+        options["join_command"] = (
+            "sbatch",
+            "--parsable",
+            "-o",
+            "/dev/null",
+            "--exclude={exclude}",
+            "--comment={marker}",
+            "--job-name=replica-{replica_group}",
+            "--wrap",
+            "sleep 600",
+        )
     if mode == "triage":
         options["triage_command"] = (sys.executable, "-m", "replicheck", "selftest", "--json", "--steps", "1")
     kill_before = point.partition(":")[2] if point.startswith("cmd:") else ""
@@ -112,6 +125,7 @@ def main() -> int:
         suspects=(Suspect(1, NodeIdentity(name=NODE, slurm_node=NODE)),),
         recommended_checkpoint={"step": 5, "path": str(here)},
         world_size=4,
+        continuation=Continuation(mode="no_restart", replica_group="rg1") if mode == "join" else None,
     )
     config = ControllerConfig(
         apply=True,
@@ -130,7 +144,7 @@ def main() -> int:
             record = ctl.store.get_record(inc.id)
             if mode == "dismiss" and record.state is State.AWAITING_APPROVAL:
                 ctl.dismiss(inc.id, by="ops")
-            if record.state in (State.RESUMED, State.UNCORDONED, State.FAILED) or (
+            if record.state in (State.RESUMED, State.JOINED, State.UNCORDONED, State.FAILED) or (
                 mode == "triage" and record.state is State.AWAITING_APPROVAL
             ):
                 break

@@ -69,6 +69,12 @@ class Run:
     def replaced_by_script(self) -> int:
         return len(self.tally.read_text().splitlines()) if self.tally.exists() else 0
 
+    def joined(self) -> list[str]:
+        """Jobs named as the replacement replica group, with the join action's marker."""
+        out = self.slurm.run("squeue", "--noheader", "--all", "--states=all", "--format=%i|%j|%k").stdout
+        marker = f"replicheck:{self.job}-s10-replay:join_replacement:"
+        return [line.split("|")[0] for line in out.splitlines() if marker in line and "|replica-rg1|" in line]
+
     def resubmitted(self) -> list[str]:
         out = self.slurm.run("squeue", "--noheader", "--all", "--states=all", "--format=%i|%k").stdout
         marker = f"replicheck:{self.job}-s10-replay:"  # not job 1's marker in job 11's
@@ -109,6 +115,25 @@ def test_resubmit_once(slurm: SlurmCluster, tmp_path: Path, point: str) -> None:
         assert len(run.resubmitted()) == 1 and run.commands("sbatch") == 1
     finally:
         for job in run.resubmitted():
+            slurm.run("scancel", job, check=False)
+
+
+@pytest.mark.parametrize("point", ["before:join", "after:join", "cmd:sbatch"])
+def test_join_starts_one_replacement_group(slurm: SlurmCluster, tmp_path: Path, point: str) -> None:
+    """A no-restart incident (its job went on without replica group rg1): killed around the
+    join, or right before its sbatch, and restarted, the controller ends in ``joined`` with
+    exactly one Slurm job named replica-rg1 carrying the join action's marker, from one sbatch,
+    excluding the replaced node; the incident's own job is never requeued or resubmitted."""
+    run = Run(slurm, tmp_path, "join")
+    try:
+        run.drive(point)
+        assert run.drive()["state"] == "joined"
+        (job,) = run.joined()
+        assert run.commands("sbatch") == 1
+        assert "ExcNodeList=node3" in slurm.scontrol("show", "job", job).stdout
+        assert run.commands("requeue") == 0 and run.commands("release") == 0
+    finally:
+        for job in run.joined():
             slurm.run("scancel", job, check=False)
 
 

@@ -66,3 +66,43 @@ def test_job_name_cannot_fake_the_requeue_marker(slurm: SlurmCluster) -> None:
     b.resume(verified, key)
     assert runner.changes[f"requeuehold {job}"] == 1
     slurm.run("scancel", job, check=False)
+
+
+@pytest.mark.parametrize(
+    ("group", "exclude", "message"),
+    [
+        ("-x", ("node3",), "replica group"),
+        ("rg1\n--wrap=id", ("node3",), "replica group"),
+        ("rg1", ("node3,--wrap=id",), "node"),
+    ],
+)
+def test_join_template_values_are_checked(
+    slurm: SlurmCluster, tmp_path: Path, group: str, exclude: tuple[str, ...], message: str
+) -> None:
+    """An option-like or multi-line replica group id, or a node list smuggling an option, never
+    reaches the join command."""
+    from replicheck.controller.backends.base import JoinRequest
+
+    tally = tmp_path / "argv.txt"
+    script = tmp_path / "submit.sh"
+    script.write_text(f'#!/bin/sh\necho "$@" >> {tally}\necho 1\n')
+    script.chmod(0o755)
+    b, _ = backend(
+        slurm, join_command=(str(script), "--comment={marker}", "{replica_group}", "--exclude={exclude}")
+    )
+    request = JoinRequest(
+        "inc-s1-replay", "42", group, (), exclude, allocation=("node1", "node2", "node3", "node4")
+    )
+    with pytest.raises(PermanentBackendError, match=message):
+        b.join(request, "inc-s1-replay:join_replacement:42")
+    assert not tally.exists()
+
+
+def test_a_join_command_without_its_marker_is_refused() -> None:
+    """join_command without {marker} is a configuration error: a restarted controller could not
+    tell that it already started the replacement group."""
+    from replicheck.controller.backends.slurm import SlurmConfig
+    from replicheck.controller.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"join_command must pass \{marker\}"):
+        SlurmConfig(join_command=("sbatch", "group.sbatch"))

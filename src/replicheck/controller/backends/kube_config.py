@@ -80,6 +80,11 @@ class KubernetesConfig:
     ``recreate``: create a copy of the Job with the checkpoint in its env; ``none``."""
     job_namespace: str = "default"
     """Namespace of the training Job when the incident's job id is a bare name."""
+    join_mode: str = "none"
+    """For a job that goes on without a torchft replica group (``docs/no-restart.md``): ``copy``
+    creates one copy of the departed group's Job (one Job per replica group) with
+    ``REPLICA_GROUP_ID`` set (needs ``get``/``create`` on Jobs); ``none``: the incident fails for
+    a person to start the group by hand."""
 
     def __post_init__(self) -> None:
         if self.remediation not in REMEDIATIONS:
@@ -90,6 +95,8 @@ class KubernetesConfig:
             raise ConfigError(
                 f"resume_mode must be one of {', '.join(RESUME_MODES)}, got {self.resume_mode!r}"
             )
+        if self.join_mode not in ("copy", "none"):
+            raise ConfigError(f"join_mode must be copy or none, got {self.join_mode!r}")
         if self.conflict_retries < 1:
             raise ConfigError("conflict_retries must be >= 1")
         if not self.taint_key or "=" in self.taint_key:

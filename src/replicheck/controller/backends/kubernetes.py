@@ -318,8 +318,14 @@ class KubernetesBackend:
         raise PermanentBackendError(f"no healthy node to compare {name}'s self-test with")
 
     def join(self, request: JoinRequest, key: str) -> Mapping[str, Any]:
-        """Designed, not built (docs/no-restart.md, "The controller's join action")."""
-        raise JoinNotBuiltError("kubernetes", request.job_id, request.replica_group)
+        """One replacement replica group (docs/no-restart.md, "The controller's join action"):
+        with ``join_mode=copy`` a copy of the departed group's Job with ``REPLICA_GROUP_ID``
+        set; the cordoned node's taint keeps it off that node."""
+        if self.config.join_mode == "none":
+            raise JoinNotBuiltError("kubernetes (join_mode=none)", request.job_id, request.replica_group)
+        from replicheck.controller.backends.kube_join import join_group
+
+        return join_group(self.api, self.config, request, key)
 
     def resume(self, request: ResumeRequest, key: str) -> Mapping[str, Any]:
         mode = self.config.resume_mode

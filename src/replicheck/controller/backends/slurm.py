@@ -21,8 +21,8 @@ from replicheck.controller.backends.base import (
 )
 from replicheck.controller.backends.commands import CommandRunner, classify
 from replicheck.controller.backends.slurm_triage import SlurmTriage, SlurmTriageConfig
-from replicheck.controller.errors import ConfigError, JoinNotBuiltError, NotYet, PermanentBackendError
-from replicheck.incident import CHECKPOINT_PATH, INCIDENT_ID, JOB_ID
+from replicheck.controller.errors import ConfigError, NotYet, PermanentBackendError
+from replicheck.incident import CHECKPOINT_PATH, INCIDENT_ID, JOB_ID, REPLICA_GROUP
 
 _SEP = "|#|"
 _SLURM_JOB_ID = re.compile(r"[0-9]{1,20}")
@@ -67,6 +67,14 @@ class SlurmConfig:
     """For resume_mode=resubmit: argv template with {job_id} {step} {checkpoint} {exclude} {marker};
     must contain {marker} (e.g. ``--comment={marker}``); an argument with {exclude} is dropped when
     nothing is excluded."""
+    join_command: tuple[str, ...] = ()
+    """For a job that goes on without a replica group (torchft, ``docs/no-restart.md``): argv
+    template that starts one replacement replica group, e.g. ``("sbatch", "--parsable",
+    "--comment={marker}", "--exclude={exclude}", "--export=ALL,REPLICA_GROUP_ID={replica_group}",
+    "group.sbatch")``, with {job_id} (the departed group's job) {replica_group} {exclude} {node}
+    (the first node that took the replaced one's place) {incident} {marker}; must contain
+    {marker}; an argument with {exclude} or {node} is dropped when there is none. Empty: a join
+    fails the incident for a person to start the group by hand."""
     triage: str = "slurm"
     """How triage runs the self-test: ``slurm`` (a Slurm job on the drained node, through a
     maintenance reservation; see slurm_triage) or ``command`` (``selftest_command``, out of band)."""
@@ -105,6 +113,11 @@ class SlurmConfig:
                     "resubmit_command must pass {marker} (e.g. --comment={marker}) so a "
                     "restarted controller can tell it already resubmitted"
                 )
+        if self.join_command and not any("{marker}" in a for a in self.join_command):
+            raise ConfigError(
+                "join_command must pass {marker} (e.g. --comment={marker}) so a restarted "
+                "controller can tell it already started the replacement group"
+            )
         if not self.replace_reason:
             raise ConfigError("replace_reason must not be empty")
         if self.triage not in ("slurm", "command"):
@@ -369,8 +382,50 @@ class SlurmBackend:
         return data
 
     def join(self, request: JoinRequest, key: str) -> Mapping[str, Any]:
-        """Designed, not built (docs/no-restart.md, "The controller's join action")."""
-        raise JoinNotBuiltError("slurm", request.job_id, request.replica_group)
+        """Start one replacement replica group with ``join_command`` (docs/no-restart.md, "The
+        controller's join action"): the job itself is never touched. Idempotent as
+        ``resubmit``: a job carrying the action's marker is the replacement already started."""
+        if not self.config.join_command:
+            raise PermanentBackendError(
+                "slurm: no [slurm] join_command is configured, so the controller cannot start a "
+                f"replacement for replica group {request.replica_group} of job {request.job_id}; "
+                "start it by hand (the job was not resumed)"
+            )
+        marker = _marker(key)
+        values = _join_values(request, marker)  # every value checked before any command
+        for node in (*request.exclude, *request.nodes):
+            validate_node_name(node)
+        self._check_same_job(request)
+        found = self._marked(marker)
+        if found is not None:
+            return {
+                "detail": f"replica group {request.replica_group} already started as job {found}",
+                "job_id": found,
+            }
+        if request.previous_attempt_at is not None:
+            self._check_absence_conclusive(request.previous_attempt_at, marker)
+        argv = _expand(
+            self.config.join_command, values, {"{exclude}": request.exclude, "{node}": request.nodes}
+        )
+        result = self._run.run(argv)
+        new_id = result.stdout.strip().split(";")[0].split()[-1] if result.stdout.strip() else "?"
+        return {
+            "detail": f"started a replacement for replica group {request.replica_group} of job "
+            f"{request.job_id} as job {new_id}",
+            "job_id": new_id,
+            "replica_group": request.replica_group,
+        }
+
+    def _marked(self, marker: str) -> str | None:
+        """The job whose comment is ``marker`` (one the controller submitted), if Slurm lists one."""
+        out = self._run.run(
+            [self._bin("squeue"), "--noheader", "--all", "--states=all", "--format", f"%i{_SEP}%k"]
+        ).stdout
+        for line in out.splitlines():
+            job_id, _, comment = line.partition(_SEP)
+            if comment.strip() == marker:
+                return job_id.strip()
+        return None
 
     # --- resuming the job -------------------------------------------------------------------
 
@@ -384,9 +439,10 @@ class SlurmBackend:
             return self._resubmit(request, key)
         return self._requeue(request, key)
 
-    def _check_same_job(self, request: ResumeRequest) -> None:
-        """Requeue or resubmit only the job the incident was verified against: never a job id
-        no allocation check vouched for, nor one now placed only on other nodes (a reused id)."""
+    def _check_same_job(self, request: ResumeRequest | JoinRequest) -> None:
+        """Requeue, resubmit or join only for the job the incident was verified against: never a
+        job id no allocation check vouched for, nor one now placed only on other nodes (a reused
+        id)."""
         if request.allocation is None:
             raise PermanentBackendError(
                 f"job {request.job_id} was never verified against Slurm's allocation; not restarting it"
@@ -446,13 +502,9 @@ class SlurmBackend:
 
     def _resubmit(self, request: ResumeRequest, key: str) -> Mapping[str, Any]:
         marker = _marker(key)
-        out = self._run.run(
-            [self._bin("squeue"), "--noheader", "--all", "--states=all", "--format", f"%i{_SEP}%k"]
-        ).stdout
-        for line in out.splitlines():
-            job_id, _, comment = line.partition(_SEP)
-            if comment.strip() == marker:
-                return {"detail": f"already resubmitted as job {job_id.strip()}", "job_id": job_id.strip()}
+        found = self._marked(marker)
+        if found is not None:
+            return {"detail": f"already resubmitted as job {found}", "job_id": found}
         if request.previous_attempt_at is not None:
             self._check_absence_conclusive(request.previous_attempt_at, marker)
         ckpt = request.checkpoint or {}
@@ -512,6 +564,43 @@ def _template_values(request: ResumeRequest, marker: str) -> dict[str, str]:
         "{marker}": marker,
         "{incident}": request.incident_id,
     }
+
+
+def _join_values(request: JoinRequest, marker: str) -> dict[str, str]:
+    """The join template's values, each checked against its grammar before it can reach argv."""
+    checks = (
+        (JOB_ID, request.job_id, "job id"),
+        (INCIDENT_ID, request.incident_id, "incident id"),
+        (REPLICA_GROUP, request.replica_group, "replica group"),
+    )
+    for pattern, value, what in checks:
+        if not isinstance(value, str) or pattern.fullmatch(value) is None:
+            raise PermanentBackendError(f"refusing {what} {value!r} in join_command")
+    return {
+        "{job_id}": request.job_id,
+        "{replica_group}": request.replica_group,
+        "{exclude}": ",".join(validate_node_name(n) for n in request.exclude),
+        "{node}": validate_node_name(request.nodes[0]) if request.nodes else "",
+        "{marker}": marker,
+        "{incident}": request.incident_id,
+    }
+
+
+def _expand(
+    template: Sequence[str], values: Mapping[str, str], optional: Mapping[str, Sequence[str]]
+) -> list[str]:
+    """``template`` with ``values`` in place; an argument naming an ``optional`` placeholder that
+    has nothing is dropped."""
+    argv = []
+    for arg in template:
+        if any(p in arg and not optional[p] for p in optional):
+            continue
+        for placeholder, value in values.items():
+            arg = arg.replace(placeholder, value)
+        argv.append(arg)
+    if any("\x00" in a or "\n" in a for a in argv):
+        raise PermanentBackendError("the command template expands to an argument with a NUL or newline")
+    return argv
 
 
 def _marker(key: str) -> str:
