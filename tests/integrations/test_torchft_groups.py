@@ -74,11 +74,7 @@ def _run(tmp: Path, fsdp: bool = False) -> dict[str, Any]:
         for p in procs.values():
             p.join(timeout=90)
     finally:
-        for p in procs.values():
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-        lighthouse.shutdown()
+        tr.stop(procs.values(), lighthouse)
     records = {key: torch.load(tmp / f"{key[0]}-r{key[1]}.pt", weights_only=False) for key in procs}
     for key, r in records.items():
         if "error" in r:
@@ -210,11 +206,7 @@ def _run_failing(tmp: Path, ranks: int, fail: tuple[int, int], fsdp: bool = Fals
         for p in procs.values():
             p.join(timeout=60)
     finally:
-        for p in procs.values():
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-        lighthouse.shutdown()
+        tr.stop(procs.values(), lighthouse)
     return {
         "records": {key: torch.load(tmp / f"{key[0]}-r{key[1]}.pt", weights_only=False) for key in procs},
         "exitcodes": {key: p.exitcode for key, p in procs.items()},

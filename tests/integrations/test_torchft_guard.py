@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
+import torchft_ranks as tr
 from torch import nn
 
 from replicheck.harness.launch import _context
@@ -54,29 +54,6 @@ EXIT_SUSPECT = 87
 LR = 1e-2
 HEARTBEAT_MS = 1000
 JOIN_MS = 500
-
-
-class _Net(nn.Module):
-    """A small MLP."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp = nn.Linear(8, 32)
-        self.out = nn.Linear(32, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(torch.tanh(self.inp(x)))
-
-
-def _batch(group: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Group ``group``'s own shard of step ``step``."""
-    g = torch.Generator().manual_seed(1000 * step + group)
-    return torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)
-
-
-def _loss(module: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    x, y = batch
-    return F.mse_loss(module(x), y)
 
 
 def _group(
@@ -145,7 +122,7 @@ def _train(
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     steps = int(join.get("steps", STEPS))
     torch.manual_seed(1 if joiner else 0)  # a joiner's own weights differ from the quorum's
-    net = _Net()
+    net = tr.Net()
     opt = torch.optim.AdamW(net.parameters(), lr=LR)
     record["initial_digest"] = _sha(net)
     ttl = timedelta(seconds=20)
@@ -168,7 +145,7 @@ def _train(
         connect_timeout=ttl,
     )
     config = GuardConfig(verify_every=VERIFY_EVERY, weights_every=VERIFY_EVERY, incident_dir=str(out))
-    tg = TorchftGuard(manager, pg, net, opt, _loss, config, node=f"group{index}")
+    tg = TorchftGuard(manager, pg, net, opt, tr.loss, config, node=f"group{index}")
     if "damage" in join:
         # Test-only, on the joiner: after the guard's own load (torchft loads keys in registration
         # order) one weight of the recovered copy moves by one ulp. torchft sends every key the
@@ -210,7 +187,7 @@ def _train(
         if "first" not in record:
             record["first"] = {"step": s, "t_quorum": t0, **before}
         try:
-            got = tg.step(_batch(index, s))
+            got = tg.step(tr.batch(index, s))
         except CorruptionDetected as exc:
             record["stopped"] = {"step": s, "classification": exc.incident.classification, "t": time.time()}
             record["incident"] = exc.incident.id
@@ -277,11 +254,7 @@ def _run(tmp: Path, groups: int, fault: str | None, min_size: int, min_replicas:
         for p in procs:
             p.join(timeout=60)
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-        lighthouse.shutdown()
+        tr.stop(procs, lighthouse)
     records = [torch.load(tmp / f"g{i}.pt", weights_only=False) for i in range(groups)]
     for r in records:
         if "error" in r:
@@ -309,12 +282,12 @@ def _clean_reference(schedule: list[list[int]]) -> dict[str, torch.Tensor]:
     """Plain torch, one process: step ``s`` averages the gradients of the groups in
     ``schedule[s]`` (each on its own shard), then AdamW."""
     torch.manual_seed(0)
-    net = _Net()
+    net = tr.Net()
     opt = torch.optim.AdamW(net.parameters(), lr=LR)
     for step, groups in enumerate(schedule):
         total = [torch.zeros_like(p) for p in net.parameters()]
         for g in groups:
-            grads = torch.autograd.grad(_loss(net, _batch(g, step)), list(net.parameters()))
+            grads = torch.autograd.grad(tr.loss(net, tr.batch(g, step)), list(net.parameters()))
             total = [t + d for t, d in zip(total, grads)]
         for p, t in zip(net.parameters(), total):
             p.grad = t / len(groups)
@@ -495,11 +468,7 @@ def _run_join(
         for p in procs.values():
             p.join(timeout=60)
     finally:
-        for p in procs.values():
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-        lighthouse.shutdown()
+        tr.stop(procs.values(), lighthouse)
     records = {name: torch.load(tmp / f"{name}.pt", weights_only=False) for name in procs}
     for name, r in records.items():
         if "error" in r:

@@ -29,6 +29,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+import torchft_ranks as tr
 from torch import nn
 
 from replicheck.harness.launch import _context
@@ -45,18 +46,6 @@ EXIT_SUSPECT = 87
 """The exit status of a group named by a verdict (``replicheck.elastic.exit_on_corruption``)."""
 ROLE_SEED = {"stay": 0, "leave": 0, "join": 1}
 """Initial weights: ``join`` starts elsewhere, so equal weights later can only come from recovery."""
-
-
-class _Net(nn.Module):
-    """A small MLP: enough parameters and Adam state for recovery to have something to move."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp = nn.Linear(8, 32)
-        self.out = nn.Linear(32, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(torch.tanh(self.inp(x)))
 
 
 class _SuspectVerdict(RuntimeError):
@@ -97,7 +86,7 @@ def _train(role: str, lighthouse: str, out: Path, start: Any) -> None:
     # Each group is its own torchft world: its own store, its own manager server.
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     torch.manual_seed(ROLE_SEED[role])
-    net = _Net()
+    net = tr.Net()
     inner = torch.optim.AdamW(net.parameters(), lr=1e-2)
     record["initial_digest"] = _digest(net)
 
@@ -215,11 +204,7 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         for role in ("stay", "join"):
             procs[role].join(timeout=40)
     finally:
-        for p in procs.values():
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-        lighthouse.shutdown()
+        tr.stop(procs.values(), lighthouse)
     records = {role: torch.load(out / f"{role}.pt", weights_only=False) for role in procs}
     for role, record in records.items():
         if "error" in record:

@@ -14,6 +14,7 @@ import hashlib
 import os
 import time
 import traceback
+from collections.abc import Iterable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,15 @@ class Net(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.out(torch.tanh(self.inp(x)))
+
+
+def stop(procs: Iterable[Any], lighthouse: Any) -> None:
+    """Kill what is still running (a scenario that failed), then stop the lighthouse."""
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+    lighthouse.shutdown()
 
 
 def batch(shard: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:

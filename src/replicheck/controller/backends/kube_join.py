@@ -4,7 +4,6 @@ nothing else is touched."""
 
 from __future__ import annotations
 
-import copy
 import hashlib
 from collections.abc import Mapping
 from typing import Any
@@ -12,7 +11,7 @@ from typing import Any
 from replicheck.controller.backends.base import JoinRequest
 from replicheck.controller.backends.kube_api import KubeApi, KubeConflict, KubeNotFound
 from replicheck.controller.backends.kube_config import KubernetesConfig
-from replicheck.controller.backends.kube_triage import _CONTROLLER_LABELS, KEY_ANNOTATION, job_name
+from replicheck.controller.backends.kube_triage import job_copy, job_name
 from replicheck.controller.errors import PermanentBackendError
 from replicheck.incident import INCIDENT_ID, REPLICA_GROUP
 
@@ -64,36 +63,14 @@ def _started(ns: str, name: str, request: JoinRequest, *, already: bool) -> dict
 
 
 def _joining_copy(old: Mapping[str, Any], new_name: str, request: JoinRequest, key: str) -> dict[str, Any]:
-    meta = old.get("metadata") or {}
-    spec = copy.deepcopy(dict(old.get("spec") or {}))
-    # The API server derives these for the new Job; copying them would be rejected.
-    spec.pop("selector", None)
-    spec.pop("manualSelector", None)
-    template = spec.setdefault("template", {})
-    tmeta = template.setdefault("metadata", {})
-    group_labels = {JOIN_LABEL: hashlib.sha256(key.encode()).hexdigest()[:16]}
+    labels = {JOIN_LABEL: hashlib.sha256(key.encode()).hexdigest()[:16]}
     if len(request.replica_group) <= 63 and request.replica_group[-1].isalnum():
-        group_labels[GROUP_LABEL] = request.replica_group  # a valid label value
-    tmeta["labels"] = {
-        **{k: v for k, v in (tmeta.get("labels") or {}).items() if k not in _CONTROLLER_LABELS},
-        **group_labels,
+        labels[GROUP_LABEL] = request.replica_group  # a valid label value
+    annotations = {
+        "replicheck.io/joins-for": str((old.get("metadata") or {}).get("name")),
+        "replicheck.io/replica-group": request.replica_group,
+        "replicheck.io/incident": request.incident_id,
     }
-    for container in (template.get("spec") or {}).get("containers") or []:
-        kept = [e for e in container.get("env") or [] if e.get("name") != GROUP_ENV]
-        container["env"] = [*kept, {"name": GROUP_ENV, "value": request.replica_group}]
-    labels = {k: v for k, v in (meta.get("labels") or {}).items() if k not in _CONTROLLER_LABELS}
-    return {
-        "apiVersion": "batch/v1",
-        "kind": "Job",
-        "metadata": {
-            "name": new_name,
-            "labels": {**labels, **group_labels},
-            "annotations": {
-                KEY_ANNOTATION: key,
-                "replicheck.io/joins-for": str(meta.get("name")),
-                "replicheck.io/replica-group": request.replica_group,
-                "replicheck.io/incident": request.incident_id,
-            },
-        },
-        "spec": spec,
-    }
+    return job_copy(
+        old, new_name, key, env={GROUP_ENV: request.replica_group}, labels=labels, annotations=annotations
+    )

@@ -216,6 +216,30 @@ def recreate_job(
 
 
 def _resumed_copy(old: Mapping[str, Any], new_name: str, request: ResumeRequest, key: str) -> dict[str, Any]:
+    ckpt = request.checkpoint or {}
+    env = {
+        "REPLICHECK_RESUME_STEP": str(ckpt.get("step", "")),
+        "REPLICHECK_RESUME_CHECKPOINT": str(ckpt.get("path", "")),
+    }
+    annotations = {
+        "replicheck.io/resumed-from": str((old.get("metadata") or {}).get("name")),
+        "replicheck.io/incident": request.incident_id,
+    }
+    return job_copy(old, new_name, key, env=env, labels={}, annotations=annotations)
+
+
+def job_copy(
+    old: Mapping[str, Any],
+    new_name: str,
+    key: str,
+    *,
+    env: Mapping[str, str],
+    labels: Mapping[str, str],
+    annotations: Mapping[str, str],
+) -> dict[str, Any]:
+    """A new Job from ``old``: without what the API server sets (selector, controller labels),
+    with ``env`` set in every container, ``labels`` on the Job and its pods, the action key and
+    ``annotations`` on the Job."""
     meta = old.get("metadata") or {}
     spec = copy.deepcopy(dict(old.get("spec") or {}))
     # The API server derives these for the new Job; copying them would be rejected.
@@ -223,27 +247,19 @@ def _resumed_copy(old: Mapping[str, Any], new_name: str, request: ResumeRequest,
     spec.pop("manualSelector", None)
     template = spec.setdefault("template", {})
     tmeta = template.setdefault("metadata", {})
-    tmeta["labels"] = {k: v for k, v in (tmeta.get("labels") or {}).items() if k not in _CONTROLLER_LABELS}
-    ckpt = request.checkpoint or {}
-    env = {
-        "REPLICHECK_RESUME_STEP": str(ckpt.get("step", "")),
-        "REPLICHECK_RESUME_CHECKPOINT": str(ckpt.get("path", "")),
-    }
+    kept_labels = {k: v for k, v in (tmeta.get("labels") or {}).items() if k not in _CONTROLLER_LABELS}
+    tmeta["labels"] = {**kept_labels, **labels}
     for container in (template.get("spec") or {}).get("containers") or []:
         kept = [e for e in container.get("env") or [] if e.get("name") not in env]
         container["env"] = kept + [{"name": k, "value": v} for k, v in env.items()]
-    labels = {k: v for k, v in (meta.get("labels") or {}).items() if k not in _CONTROLLER_LABELS}
+    job_labels = {k: v for k, v in (meta.get("labels") or {}).items() if k not in _CONTROLLER_LABELS}
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
         "metadata": {
             "name": new_name,
-            "labels": labels,
-            "annotations": {
-                KEY_ANNOTATION: key,
-                "replicheck.io/resumed-from": str(meta.get("name")),
-                "replicheck.io/incident": request.incident_id,
-            },
+            "labels": {**job_labels, **labels},
+            "annotations": {KEY_ANNOTATION: key, **annotations},
         },
         "spec": spec,
     }
