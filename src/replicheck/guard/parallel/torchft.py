@@ -159,16 +159,7 @@ class TorchftReplicas(Parallelism):
     def install(self, config: GuardConfig) -> GradStats:
         """A fresh gradient view for a guard (one is built again on each quorum change); the comm
         hook, registered once, feeds the newest."""
-        if config.mode != "exact":
-            raise GuardConfigError(
-                "torchft replica groups: only GuardConfig(mode='exact') in this version (tolerant "
-                "mode's calibration does not yet follow quorum changes)"
-            )
-        if config.global_item_count:
-            raise GuardConfigError(
-                "torchft replica groups: GuardConfig(global_item_count=True) is not supported yet "
-                "(its item count is summed over torch.distributed's group, not torchft's)"
-            )
+        refuse_config(config)
         self.health = TorchftGradHealth(self.manager, self.group, digest_reduced=config.check_reduced)
         return self.health
 
@@ -254,4 +245,18 @@ def refuse_manager(manager: Any, pg: Any) -> None:
             "torchft replica groups: Manager(use_async_quorum=False) is required (the guard reads "
             "the quorum's membership before the forward, and a healed group's state must be in "
             "place before it computes)"
+        )
+
+
+def refuse_config(config: GuardConfig) -> None:
+    """Guard settings the torchft parallelisms do not follow yet."""
+    if config.mode != "exact":
+        raise GuardConfigError(
+            "torchft replica groups: only GuardConfig(mode='exact') in this version (tolerant "
+            "mode's calibration does not yet follow quorum changes)"
+        )
+    if config.global_item_count:
+        raise GuardConfigError(
+            "torchft replica groups: GuardConfig(global_item_count=True) is not supported yet "
+            "(its item count is summed over torch.distributed's group, not torchft's)"
         )

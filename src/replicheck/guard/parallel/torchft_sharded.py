@@ -31,7 +31,7 @@ from replicheck.guard.config import GuardConfig
 from replicheck.guard.errors import GuardConfigError
 from replicheck.guard.parallel.fsdp import Sharded
 from replicheck.guard.parallel.fsdp_tap import GradTap
-from replicheck.guard.parallel.torchft import TorchftComm, refuse_manager
+from replicheck.guard.parallel.torchft import TorchftComm, refuse_config, refuse_manager
 from replicheck.guard.transport.transfer import to_host
 
 if TYPE_CHECKING:
@@ -127,15 +127,7 @@ class TorchftSharded(Sharded):
         return self.comm.world_size > 1
 
     def install(self, config: GuardConfig) -> GradStats:
-        if config.mode != "exact":
-            raise GuardConfigError(
-                "torchft replica groups: only GuardConfig(mode='exact') in this version (tolerant "
-                "mode's calibration does not yet follow quorum changes)"
-            )
-        if config.global_item_count:
-            raise GuardConfigError(
-                "torchft replica groups: GuardConfig(global_item_count=True) is not supported yet"
-            )
+        refuse_config(config)
         # The replicas of each shard vote on the reduced shard (as under HSDP); no scatter check.
         self._tap = GradTap(self.model, digest_reduced=config.check_reduced, across=self._average)
         return self._tap
