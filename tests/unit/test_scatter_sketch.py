@@ -78,9 +78,9 @@ def test_sketch_is_one_product_whatever_the_chunk_count(dtype: torch.dtype) -> N
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 def test_sketch_is_each_blocks_signed_sums_and_sum_of_squares(dtype: torch.dtype) -> None:
-    """Against a float64 reference per chunk and block (including a ragged last block and an
-    empty chunk): the signed sums agree within a few roundings of the dtype, the sums of squares
-    within a bfloat16 norm's rounding."""
+    """Against a float64 reference per chunk and block (a ragged end joining the last block, a
+    chunk shorter than a block, and an empty chunk): the signed sums agree within a few
+    roundings of the dtype, the sums of squares within a bfloat16 norm's rounding."""
     g = torch.Generator().manual_seed(3)
     for n in (0, 100, 256, 700):
         chunks = (torch.randn(4, n, generator=g) * 10).to(dtype)
@@ -91,11 +91,13 @@ def test_sketch_is_each_blocks_signed_sums_and_sum_of_squares(dtype: torch.dtype
         ref_signs = signs.double()
         for c in range(4):
             x = chunks[c].double()
-            starts = range(0, max(n, 1), 256)
-            assert got.shape[1] == len(starts)
-            for b, s in enumerate(starts):
-                block = x[s : s + 256]
-                want = block @ ref_signs[: block.numel()]
+            m = max(n // 256, 1)
+            bounds = [(b * 256, (b + 1) * 256 if b < m - 1 else n) for b in range(m)]
+            assert got.shape[1] == len(bounds) == scatter.sketch_chunks(chunks, signs, squares=False).shape[1]
+            for b, (s, e) in enumerate(bounds):
+                block = x[s:e]
+                sig = torch.cat([ref_signs, ref_signs])[: block.numel()]
+                want = block @ sig
                 scale = float(block.abs().sum()) + 1e-30
                 tol = 4 * torch.finfo(dtype).eps * scale + 256 * 1e-7 * scale
                 assert torch.allclose(got[c, b, :2], want, atol=tol, rtol=0), (n, c, b)
@@ -153,9 +155,10 @@ def _ring_ratio(world: int, chunks: int, dtype: torch.dtype, share: float, seed:
     expected = scatter.sketch_chunks(x.reshape(world * chunks, shard), signs, squares=True)
     expected = expected.view(world, chunks, -1, 3).sum(0)
     raw = scatter.sketch_chunks(acc, signs, squares=True)
-    floor = 256 * (world + 2) * float(torch.finfo(dtype).smallest_normal)
+    terms = scatter.longest_block(shard, 256)
+    floor = terms * (world + 2) * float(torch.finfo(dtype).smallest_normal)
     bound = scatter._allowance(
-        scatter._variance_coef(dtype, world, 256), world, floor, expected[..., 2], raw[..., 2]
+        scatter._variance_coef(dtype, world, terms), world, floor, expected[..., 2], raw[..., 2]
     )
     return float(((raw[..., :2] - expected[..., :2]).abs().amax(-1) / bound).max())
 

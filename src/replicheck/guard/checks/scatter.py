@@ -4,7 +4,9 @@ Under plain FSDP2 one rank alone holds each reduced gradient shard, so no replic
 it. A sketch is linear (the sketch of a sum is the sum of the sketches), which gives a check
 that needs no second copy of the shard: before the reduce-scatter every rank sketches each
 destination chunk of its input, per block of ``block`` values (``k`` signed sums and the block's
-sum of squares), all chunks in one matrix product (no loop over the world); one more
+sum of squares; a chunk's ragged end joins its last block, so a chunk of ``n >= block`` values
+has ``n // block`` blocks and the sketches never grow with the world size), all chunks in one
+matrix product (no loop over the world); one more
 reduce-scatter per step, of all the step's sketches together (``(k + 1) / block`` of the
 gradient's values: 1.2 % with the defaults), hands each rank the sketch its shard must have. The
 rank then sketches the collective's output (*raw*) and its shard after the reduced-gradient hooks
@@ -101,6 +103,7 @@ class ScatterCheck:
         both sides; the shard's final sketch is taken by :meth:`after_hooks`."""
         world = dist.get_world_size(group)
         local = self._sketch(buffer.view(world, -1), squares=True)  # (world, blocks, k + 1)
+        terms = longest_block(output.numel(), self.block)
         if _is_avg(op):
             local[..., : self.k] /= world
             local[..., self.k :] /= world * world
@@ -110,9 +113,9 @@ class ScatterCheck:
         self._calls.append(
             _Call(
                 raw=raw,
-                coef=_variance_coef(buffer.dtype, world, self.block),
+                coef=_variance_coef(buffer.dtype, world, terms),
                 world=world,
-                floor=self.block * (world + 2) * float(torch.finfo(buffer.dtype).smallest_normal),
+                floor=terms * (world + 2) * float(torch.finfo(buffer.dtype).smallest_normal),
                 group=group,
             )
         )
@@ -182,14 +185,22 @@ _NATIVE = (torch.float32, torch.float64, torch.bfloat16)
 converted to float32 first."""
 
 
+def longest_block(n: int, block: int) -> int:
+    """Values in the longest block of a chunk of ``n`` (the last, which takes the ragged end)."""
+    return block + n % block if n > block else block
+
+
 def sketch_chunks(chunks: torch.Tensor, signs: torch.Tensor, *, squares: bool) -> torch.Tensor:
     """``(c, blocks, k [+ 1])``: the ``k`` signed sums (``signs``: ``block × k`` ±1) of every
     block of ``block`` values of each of the ``c`` rows of ``chunks`` [and each block's sum of
-    squares], in float32 (float64 for a float64 input).
+    squares], in float32 (float64 for a float64 input). A row's ragged end (``n mod block``
+    values, projected by the first rows of the same signs) is added to its last whole block: a
+    row of ``n >= block`` values has ``n // block`` blocks (one for a shorter row), so the
+    sketches of a buffer split into more chunks are never larger (their bytes in the check's
+    reduce-scatter do not grow with the world size while a chunk holds a whole block).
 
     The whole blocks of every row are one ``(c, m, block)`` view of the buffer, projected by one
-    matrix product; the rows' shorter last blocks (``n mod block`` values, projected by the first
-    rows of the same signs) are one more. So the number of operations does not depend on ``c``
+    matrix product; the rows' ragged ends are one more. So the number of operations does not depend on ``c``
     (the world size), and nothing of the buffer's size is copied for float32, float64 or
     bfloat16: a bfloat16 product is taken in bfloat16 (each output rounded once to bfloat16, an
     error the allowance counts; the accumulation is in float32 in torch's kernels), and on CUDA
@@ -200,12 +211,12 @@ def sketch_chunks(chunks: torch.Tensor, signs: torch.Tensor, *, squares: bool) -
     c, n = x.shape
     block = signs.shape[0]
     m, tail = divmod(n, block)
-    parts = []
-    if m:
-        parts.append(_columns(x[:, : m * block].view(c, m, block), signs, compute, squares))
-    if tail or not n:
-        parts.append(_columns(x[:, m * block :].unsqueeze(1), signs[:tail], compute, squares))
-    return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+    if not m:
+        return _columns(x.unsqueeze(1), signs[:n], compute, squares)
+    whole = _columns(x[:, : m * block].view(c, m, block), signs, compute, squares)
+    if tail:
+        whole[:, -1:] += _columns(x[:, m * block :].unsqueeze(1), signs[:tail], compute, squares)
+    return whole
 
 
 def _columns(x: torch.Tensor, signs: torch.Tensor, compute: torch.dtype, squares: bool) -> torch.Tensor:
