@@ -125,7 +125,7 @@ GUARD_PHASES = [
     Target(
         "replicheck.fingerprint:optimizer_digest_tensor", "weights + optimizer-state digests", absorbing=True
     ),
-    Target("replicheck.fingerprint:digest", "reduced-gradient digests"),
+    Target("replicheck.fingerprint:row_digest", "reduced-gradient digests"),
     Target("replicheck.guard.transport.comm:Comm.exchange", "ring exchange of probes"),
     Target("replicheck.guard.transport.comm:Comm.gather_rows", "the step's all-gather"),
 ]

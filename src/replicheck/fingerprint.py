@@ -43,6 +43,13 @@ def digests(tensors: Sequence[torch.Tensor | None], *, fold_zero: bool = False) 
     return fd.digests(tensors, fold_zero=fold_zero)
 
 
+def row_digest(t: torch.Tensor) -> torch.Tensor:
+    """A one-read exact digest for comparing a tensor across ranks within one step, as a 0-dim
+    int64 tensor on its device; cheaper than :func:`digest` and not equal to it (never store it).
+    Any single changed word changes it; see :func:`replicheck.fused_digest.row_digest`."""
+    return fd.row_digest(t)
+
+
 def combine(values: torch.Tensor) -> torch.Tensor:
     """Fold a 1-D int64 tensor of digests into one position-weighted 0-dim digest."""
     return fd.combine(values)

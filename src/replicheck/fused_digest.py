@@ -81,6 +81,35 @@ def words(t: torch.Tensor) -> torch.Tensor:
     return ints
 
 
+def row_digest(t: torch.Tensor) -> torch.Tensor:
+    """A cheaper exact digest for comparing one tensor across ranks within a step (never stored):
+    the words' sums in rows of 16, weighted by odd row weights, plus the tail. One streaming read
+    instead of :func:`digests`' two. A change of any single word always changes it (an odd weight
+    times a non-zero difference is non-zero modulo 2**64); a change that moves values between the
+    words of one row and keeps their sum does not (the full digest's column term sees that)."""
+    flat = t.detach().reshape(-1)
+    if flat.dtype == torch.bool:
+        flat = flat.to(torch.uint8)
+    if flat.is_complex():
+        flat = torch.view_as_real(flat).reshape(-1)
+    size = flat.element_size()
+    ints = flat.view(_INT_OF_SIZE[size]) if flat.dtype.is_floating_point or size != 8 else flat
+    per_word = 8 // ints.element_size()
+    whole = ints.numel() // per_word * per_word
+    if ints.storage_offset() % per_word:
+        ints = ints.clone()  # int64 words need a word-aligned start
+    w = ints[:whole].view(torch.int64) if per_word > 1 else ints
+    m = w.numel() // ROW
+    total = torch.full((), wrap(ints.numel() * K_TAIL), dtype=torch.int64, device=flat.device)
+    if m:
+        rows = w[: m * ROW].view(m, ROW).sum(dim=1, dtype=torch.int64)
+        total = total + rows.mul_(row_weights(m, flat.device)).sum()
+    tail = torch.cat([w[m * ROW :], ints[whole:].to(torch.int64)])
+    if tail.numel():
+        total = total + (tail * (row_weights(tail.numel(), flat.device) * K_TAIL)).sum()
+    return total
+
+
 def _foldable(t: torch.Tensor | None) -> bool:
     return t is not None and (t.is_floating_point() or t.is_complex())
 

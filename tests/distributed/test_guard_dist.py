@@ -11,7 +11,7 @@ import torch
 
 from replicheck.guard import GuardConfig
 from replicheck.harness.jobs import JobResult, JobSpec, train
-from replicheck.harness.launch import node_names, run_local
+from replicheck.harness.launch import RankContext, node_names, run_local
 from replicheck.harness.workloads import DecoderConfig
 
 TINY = DecoderConfig(vocab=64, d_model=32, n_layers=2, n_heads=2, seq_len=16)
@@ -213,3 +213,44 @@ def test_shape_dependent_fault_is_persistent_on_rerun() -> None:
     inc = incident(results)
     assert (inc["step"], inc["check"], inc["suspect_ranks"]) == (5, "gradients", [1])
     assert inc["classification"] == "persistent"
+
+
+def _ordinary_step_grads(ctx: RankContext) -> dict[str, bool]:
+    """One plain DDP step and one guarded ordinary step (no probe) on the same batch: are the
+    reduced gradients and the SGD update equal bit for bit?"""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from replicheck.guard import Guard
+    from replicheck.harness.workloads import lm_loss, make_model, synthetic_batch
+
+    torch.set_num_threads(1)
+    batch = synthetic_batch(TINY, step=0, rank=ctx.rank, batch=4)
+    plain = DistributedDataParallel(make_model(TINY, seed=0))
+    opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    lm_loss(plain, batch).backward()
+    want = [p.grad.clone() for p in plain.parameters()]  # type: ignore[union-attr]
+    opt.step()
+    guarded = DistributedDataParallel(make_model(TINY, seed=0))
+    cfg = GuardConfig(
+        start_step=1,
+        verify_every=1000,
+        weights_every=0,
+        rebuild_buckets_on_resume=False,
+        loss_reduction="sample_mean",
+    )
+    guard = Guard(guarded, torch.optim.SGD(guarded.parameters(), lr=0.1), lm_loss, cfg, node=ctx.node)
+    assert not guard.step(batch).verified
+    got = [p.grad for p in guarded.parameters()]
+    return {
+        "grads": all(g is not None and torch.equal(g, w) for g, w in zip(got, want)),
+        "weights": all(torch.equal(a, b) for a, b in zip(guarded.parameters(), plain.parameters())),
+    }
+
+
+@pytest.mark.timeout(120)
+def test_ordinary_step_is_bit_identical_to_plain_ddp_at_three_ranks() -> None:
+    """At a world size that is not a power of two the guard's comm hook averages as DDP's reducer
+    does (a multiply by the reciprocal, not a division, which rounds differently), so an ordinary
+    guarded step's reduced gradient and update equal the plain DDP loop's bit for bit."""
+    results = run_local(_ordinary_step_grads, node_names(3, 1), timeout=90)
+    assert results == [{"grads": True, "weights": True}] * 3

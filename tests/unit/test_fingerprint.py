@@ -30,6 +30,41 @@ def test_every_single_bit_flip_changes_the_digest(dtype: torch.dtype) -> None:
             assert fp.tensor_digest(y) != base, (i, bit)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("n", [1, 7, 37, 16 * 8 + 3])
+def test_every_single_bit_flip_changes_the_row_digest(dtype: torch.dtype, n: int) -> None:
+    """The one-read in-step digest also changes on any single flipped bit, whatever the length
+    (rows of 16 words, a word tail and a tail shorter than a word), and equal bits digest equal,
+    a view that starts inside a word included."""
+    x = torch.randn(n, dtype=torch.float32).to(dtype)
+    base = int(fp.row_digest(x))
+    assert int(fp.row_digest(x.clone())) == base
+    padded = torch.cat([torch.zeros(1, dtype=dtype), x])
+    assert int(fp.row_digest(padded[1:])) == base, "a misaligned view digests as its clone"
+    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
+    for i in range(n):
+        for bit in range(x.element_size() * 8):
+            y = x.clone()
+            y.view(ints)[i] ^= (
+                torch.tensor(1, dtype=ints) << bit
+                if bit < x.element_size() * 8 - 1
+                else torch.tensor(torch.iinfo(ints).min, dtype=ints)
+            )
+            assert int(fp.row_digest(y)) != base, (i, bit)
+
+
+def test_row_digest_sees_swaps_across_rows_and_lengths() -> None:
+    """Rows are weighted by position: a swap of values in different rows of 16 words shows, and
+    so does an extra trailing zero (the length is mixed in)."""
+    x = torch.randn(1000)
+    base = int(fp.row_digest(x))
+    for i, j in [(0, 40), (3, 900), (31, 32)]:
+        y = x.clone()
+        y[i], y[j] = x[j], x[i]
+        assert int(fp.row_digest(y)) != base, (i, j)
+    assert int(fp.row_digest(torch.cat([x, torch.zeros(1)]))) != base
+
+
 def test_swapping_two_values_changes_the_digest() -> None:
     """The digest is position-weighted: a swap of two different values shows, within and across rows."""
     x = torch.randn(1000)

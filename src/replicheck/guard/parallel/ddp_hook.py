@@ -35,8 +35,8 @@ class GradHealth(GradStats):
 
     As a DDP communication hook it sees every bucket before the all-reduce (so a non-finite or
     huge local gradient is attributed to the rank that produced it) and after it (so every
-    rank's reduced gradient can be compared bit for bit). It reduces the way DDP's default hook
-    does: divide by the world size, then all-reduce a sum.
+    rank's reduced gradient can be compared bit for bit). It reduces the way DDP does without a
+    hook: multiply by the reciprocal of the world size, then all-reduce a sum.
     """
 
     def __init__(self, group: dist.ProcessGroup | None, digest_reduced: bool) -> None:
@@ -48,8 +48,9 @@ class GradHealth(GradStats):
         buf = bucket.buffer()
         # Squared norm: one streaming read; NaN and Inf propagate into it.
         self._local_sq.append(sq_norm(buf))
-        world = dist.get_world_size(self.group)
-        buf.div_(world)
+        # A multiply by the reciprocal, as DDP's reducer divides without a hook: the same bits
+        # as the plain DDP loop at any world size (a division rounds differently at 3 ranks).
+        buf.mul_(1.0 / dist.get_world_size(self.group))
         work = dist.all_reduce(buf, group=self.group, async_op=True)
         fut: torch.futures.Future[list[torch.Tensor]] = work.get_future()
         index = bucket.index()
@@ -58,7 +59,7 @@ class GradHealth(GradStats):
             out = f.value()[0]
             self._run_hooks(index, out)
             if self.digest_reduced:
-                self._reduced[index] = fp.digest(out)
+                self._reduced[index] = fp.row_digest(out)
             return out
 
         return fut.then(after)

@@ -213,7 +213,7 @@ class GradTap(GradStats):
             # collective's output, already sketched.
             self.scatter.after_hooks(reduced)
         if self.digest_reduced:
-            self._reduced[index] = fp.digest(reduced)
+            self._reduced[index] = fp.row_digest(reduced)
 
 
 @contextlib.contextmanager

@@ -45,7 +45,7 @@ class TorchftGradHealth(GradStats):
             out = f.value()
             self._run_hooks(index, out)
             if self.digest_reduced:
-                self._reduced[index] = fp.digest(out)
+                self._reduced[index] = fp.row_digest(out)
             return out
 
         return fut.then(after)
