@@ -61,8 +61,9 @@ def row_weights(m: int, device: torch.device) -> torch.Tensor:
     return w
 
 
-def words(t: torch.Tensor) -> torch.Tensor:
-    """The tensor's bits as a flat integer tensor (int64 words where the layout allows)."""
+def _ints(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bits as a flat integer tensor of its element size, starting on a word (a view
+    that starts inside a 64-bit word is copied first, so it digests as its clone does)."""
     flat = t.detach().reshape(-1)
     if flat.dtype == torch.bool:
         flat = flat.to(torch.uint8)
@@ -71,12 +72,16 @@ def words(t: torch.Tensor) -> torch.Tensor:
         flat = torch.view_as_real(flat).reshape(-1)
     size = flat.element_size()
     ints = flat.view(_INT_OF_SIZE[size]) if flat.dtype.is_floating_point or size != 8 else flat
+    if ints.storage_offset() % (8 // size):
+        ints = ints.clone()
+    return ints
+
+
+def words(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bits as a flat integer tensor (int64 words where the layout allows)."""
+    ints = _ints(t)
     per_word = 8 // ints.element_size()
     if per_word > 1 and ints.numel() % per_word == 0:
-        # The words depend on the values only: a view that starts inside a word is copied first
-        # (viewing it as int64 needs a word-aligned start), so it digests as its clone does.
-        if ints.storage_offset() % per_word:
-            ints = ints.clone()
         return ints.view(torch.int64)
     return ints
 
@@ -87,26 +92,19 @@ def row_digest(t: torch.Tensor) -> torch.Tensor:
     instead of :func:`digests`' two. A change of any single word always changes it (an odd weight
     times a non-zero difference is non-zero modulo 2**64); a change that moves values between the
     words of one row and keeps their sum does not (the full digest's column term sees that)."""
-    flat = t.detach().reshape(-1)
-    if flat.dtype == torch.bool:
-        flat = flat.to(torch.uint8)
-    if flat.is_complex():
-        flat = torch.view_as_real(flat).reshape(-1)
-    size = flat.element_size()
-    ints = flat.view(_INT_OF_SIZE[size]) if flat.dtype.is_floating_point or size != 8 else flat
+    ints = _ints(t)
+    device = ints.device
     per_word = 8 // ints.element_size()
     whole = ints.numel() // per_word * per_word
-    if ints.storage_offset() % per_word:
-        ints = ints.clone()  # int64 words need a word-aligned start
     w = ints[:whole].view(torch.int64) if per_word > 1 else ints
     m = w.numel() // ROW
-    total = torch.full((), wrap(ints.numel() * K_TAIL), dtype=torch.int64, device=flat.device)
+    total = torch.full((), wrap(ints.numel() * K_TAIL), dtype=torch.int64, device=device)
     if m:
         rows = w[: m * ROW].view(m, ROW).sum(dim=1, dtype=torch.int64)
-        total = total + rows.mul_(row_weights(m, flat.device)).sum()
+        total = total + rows.mul_(row_weights(m, device)).sum()
     tail = torch.cat([w[m * ROW :], ints[whole:].to(torch.int64)])
     if tail.numel():
-        total = total + (tail * (row_weights(tail.numel(), flat.device) * K_TAIL)).sum()
+        total = total + (tail * (row_weights(tail.numel(), device) * K_TAIL)).sum()
     return total
 
 
