@@ -1,11 +1,15 @@
-"""One controller process for the two-controller test: ``lease_driver.py DB LOG``. Runs passes
-until the incident is resumed or another controller holds the lease; every backend call that
-changes the cluster is appended to LOG (O_APPEND, one line per call) before it is made."""
+"""One controller process for the two-controller test: ``lease_driver.py DB LOG [GATE]``. Runs
+passes until the incident is resumed or another controller holds the lease; every backend call
+that changes the cluster is appended to LOG (O_APPEND, one line per call) before it is made.
+With GATE, it writes ``GATE.<pid>`` once imported and set up, and opens the controller only when
+GATE exists: the test starts both controllers together, however slowly each process starts."""
 
 from __future__ import annotations
 
 import os
 import sys
+import time
+from pathlib import Path
 from typing import Any
 
 from replicheck.controller import Controller, ControllerConfig, LocalBackend, State
@@ -49,6 +53,15 @@ def main() -> int:
         recommended_checkpoint={"step": 4, "path": "/ck/4"},
     )
     config = ControllerConfig(apply=True, auto_approve=True, return_poll_s=0, checkpoint_roots=("/ck",))
+    if len(sys.argv) > 3:
+        gate = Path(sys.argv[3])
+        Path(f"{gate}.{os.getpid()}").touch()
+        deadline = time.monotonic() + 60
+        while not gate.exists():
+            if time.monotonic() > deadline:
+                print("unfinished: the gate never opened")
+                return 1
+            time.sleep(0.001)
     with Controller(db, backend=Logged(local, log), config=config) as ctl:  # type: ignore[arg-type]
         ctl.ingest(inc, vouched_by="job token job9 (jobs=job9)")
         try:

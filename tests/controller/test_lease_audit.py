@@ -7,6 +7,7 @@ import os
 import sqlite3
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -101,9 +102,10 @@ def test_two_controllers_twenty_trials_no_duplicate_side_effect(tmp_path: Path) 
         db, log = tmp_path / f"c{trial}.db", tmp_path / f"calls{trial}.log"
         cluster(db, active=("n1", "n2", "n3"), spares=("s1",)).close()
         Store(db).close()  # migrate once, so both start from the same schema
+        gate = tmp_path / f"gate{trial}"
         procs = [
             subprocess.Popen(
-                [sys.executable, str(DRIVER), str(db), str(log)],
+                [sys.executable, str(DRIVER), str(db), str(log), str(gate)],
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,
@@ -111,6 +113,14 @@ def test_two_controllers_twenty_trials_no_duplicate_side_effect(tmp_path: Path) 
             )
             for _ in range(2)
         ]
+        # Both processes imported and set up before either opens its controller: on a slow,
+        # loaded machine one start could otherwise finish before the other begins.
+        deadline = time.monotonic() + 60
+        while len(list(tmp_path.glob(f"gate{trial}.*"))) < 2 and time.monotonic() < deadline:
+            if any(p.poll() is not None for p in procs):
+                break
+            time.sleep(0.01)
+        gate.touch()
         outs = [p.communicate(timeout=120) for p in procs]
         assert all(p.returncode == 0 for p in procs), outs
         said = sorted(out.split(":")[0].strip() for out, _ in outs)
