@@ -16,6 +16,10 @@ each loop (whole verification periods). Headline: total guarded time / total pla
 rounds; the median of per-round ratios and the quartiles are secondary (benchkit/interleave.py).
 
     python benchmarks/overhead.py [--rounds 24] [--json out.json] [--markdown out.md]
+    python benchmarks/overhead.py --parallel fsdp [--check-reduced off]
+
+``--check-reduced off`` turns off the per-step check of the reduced gradient (DDP: its digest;
+plain FSDP2: the reduce-scatter check), to show what the rest of the guard costs.
 
 Prints the figures as JSON and as markdown tables. Not a test.
 """
@@ -61,7 +65,11 @@ def _bench(ctx: RankContext, opts: dict[str, Any]) -> dict[str, Any]:
     def guarded(every: int) -> Guard:
         model, opt = make()
         config = GuardConfig(
-            verify_every=every, weights_every=every, mode=opts["mode"], loss_reduction="sample_mean"
+            verify_every=every,
+            weights_every=every,
+            mode=opts["mode"],
+            loss_reduction="sample_mean",
+            check_reduced=opts["check_reduced"],
         )
         return Guard(model, opt, lm_loss, node=ctx.node, config=config)
 
@@ -215,6 +223,13 @@ def main(argv: list[str] | None = None) -> int:
         default="ddp",
         help="DDP, or FSDP2 (fully_shard on each block and the root) for both loops",
     )
+    parser.add_argument(
+        "--check-reduced",
+        choices=["on", "off"],
+        default="on",
+        help="GuardConfig.check_reduced (off: no reduced-gradient digest under DDP, no reduce-scatter "
+        "check under FSDP2; to see what the rest of the guard costs)",
+    )
     parser.add_argument("--json", help="also write the figures to this file")
     parser.add_argument("--markdown", help="also write the tables to this file")
     args = parser.parse_args(argv)
@@ -230,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         "mode": mode,
         "warmup": args.warmup,
         "parallel": args.parallel,
+        "check_reduced": args.check_reduced == "on",
     }
     t0 = time.monotonic()
     out = run_local(_bench, node_names(2, 1), args=(opts,), timeout=7200)[0]
@@ -241,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         "ranks": 2,
         "parallel": args.parallel,
         "mode": args.mode,
+        "check_reduced": args.check_reduced == "on",
         "every_10": {
             "schedule": "verify_every=10, weights_every=10, all per-step checks",
             **summary(out["every_10"]),

@@ -137,5 +137,12 @@ SHARDED_PHASES = [
     Target(
         "replicheck.guard.step.flags:FailureFlags.share", "per-forward failure flag (FSDP2)", absorbing=True
     ),
+    Target("replicheck.guard.checks.scatter:sketch_chunks", "reduce-scatter check: sketches"),
+    Target(
+        "replicheck.guard.checks.scatter:ScatterCheck.status",
+        "reduce-scatter check: the reduce-scatter of sketches and the verdict",
+    ),
 ]
-"""FSDP2 adds the failure flag shared after each forward (a DDP step shares none)."""
+"""FSDP2 adds the failure flag shared after each forward (a DDP step shares none) and the plain
+FSDP2 reduce-scatter check (the sketches of each reduce-scatter's input and output; once per
+step, the reduce-scatter of the sketches and the verdict)."""

@@ -293,9 +293,13 @@ def _error_job(ctx: RankContext, where: str) -> tuple[str, int, float]:
         return lm_loss(module, batch)
 
     guard = Guard(
-        model, opt, loss, config=GuardConfig(verify_every=2 if where != "training" else 100), node=ctx.node
+        model,
+        opt,
+        loss,
+        config=GuardConfig(verify_every=2 if where not in ("training", "hook_ordinary") else 100),
+        node=ctx.node,
     )
-    if where == "hook" and ctx.rank == 0:
+    if where in ("hook", "hook_ordinary") and ctx.rank == 0:
 
         def hook(index: int, t: torch.Tensor) -> None:
             if current_step() == 2:
@@ -319,13 +323,15 @@ def _error_job(ctx: RankContext, where: str) -> tuple[str, int, float]:
         ("after_model", 1, "ValueError"),
         ("training", 1, "KeyError"),
         ("hook", 0, "OSError"),
+        ("hook_ordinary", 0, "OSError"),
     ],
 )
 def test_error_on_one_rank_ends_every_sharded_rank(where: str, failing: int, error: str) -> None:
     """An error in loss_fn on one rank (before it calls the sharded model, or after, in a
     verification step's probe pass; before it, in an ordinary step's training pass) or in a
-    reduced-gradient hook is raised there and as
-    PeerFailed on the others at step 2, without waiting for the process group's timeout."""
+    reduced-gradient hook (of a verification step: stopped by the flag after the passes; of an
+    ordinary step: by the step's row) is raised there and as PeerFailed on the others at step 2,
+    without waiting for the process group's timeout."""
     for rank, (outcome, step, seconds) in enumerate(
         run_local(_error_job, node_names(3, 1), args=(where,), timeout=60)
     ):

@@ -177,3 +177,30 @@ def test_simulated_ring_reductions_stay_within_the_allowance_up_to_16384_ranks()
             ]
             print(f"{world} ranks, {dtype}: largest |difference|/allowance {max(ratios):.3f}")
             assert max(ratios) < 1, (world, dtype, ratios)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "rel"),
+    [(torch.float32, 1e-5), (torch.float64, 1e-12), (torch.bfloat16, 1e-2), (torch.float16, 1e-5)],
+)
+@pytest.mark.parametrize("op", [dist.ReduceOp.SUM, dist.ReduceOp.AVG])
+def test_reduce_returns_the_inputs_squared_norm(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, rel: float, op: Any
+) -> None:
+    """``reduce`` returns the squared L2 norm of the whole input (every destination chunk, before
+    a mean's division), as the gradient health check's ``sq_norm`` gives it, from the sketch's
+    block sums of squares (bfloat16 block norms are rounded: within 1 %); NaN and Inf propagate."""
+    from replicheck.guard.checks.health import sq_norm
+
+    _fake_world(monkeypatch, 4)
+    buffer = (torch.randn(4 * 3000) * 3).to(dtype)
+    output = torch.empty(3000, dtype=dtype)
+    got = scatter.ScatterCheck().reduce(output, buffer, dist.group.WORLD, op)
+    want = sq_norm(buffer)
+    assert got.dtype == torch.float64 and got.dim() == 0
+    assert abs(float(got) - float(want)) <= rel * float(want), (float(got), float(want))
+    for bad in (float("nan"), float("inf")):
+        poisoned = buffer.clone()
+        poisoned[7_777] = bad
+        sq = scatter.ScatterCheck().reduce(output, poisoned, dist.group.WORLD, op)
+        assert not torch.isfinite(sq), bad

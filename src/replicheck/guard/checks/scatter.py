@@ -98,11 +98,17 @@ class ScatterCheck:
         buffer: torch.Tensor,
         group: dist.ProcessGroup,
         op: object,
-    ) -> None:
+    ) -> torch.Tensor:
         """Reduce-scatter ``buffer`` into ``output`` (a sum or a mean, as FSDP asks), sketching
-        both sides; the shard's final sketch is taken by :meth:`after_hooks`."""
+        both sides; the shard's final sketch is taken by :meth:`after_hooks`.
+
+        Returns the input's squared L2 norm (a 0-dim float64 device tensor, NaN and Inf
+        propagated), summed from the sketch's per-block sums of squares: the gradient health
+        check's local norm without another read of the buffer (a bfloat16 buffer's block norms
+        are rounded to bfloat16, within 1 % of the exact norm)."""
         world = dist.get_world_size(group)
         local = self._sketch(buffer.view(world, -1), squares=True)  # (world, blocks, k + 1)
+        sq = local[..., self.k].sum(dtype=torch.float64)
         terms = longest_block(output.numel(), self.block)
         if _is_avg(op):
             local[..., : self.k] /= world
@@ -119,6 +125,7 @@ class ScatterCheck:
                 group=group,
             )
         )
+        return sq
 
     def after_hooks(self, shard: torch.Tensor) -> None:
         """The shard after the reduced-gradient hooks ran (what the optimizer will read)."""

@@ -132,6 +132,11 @@ class Parallelism(ABC):
     passes_are_collective: ClassVar[bool] = False
     """Whether every pass is a collective (parameters gathered in forward): every rank must then
     know after each forward whether any failed, and discarded passes run in lockstep."""
+    row_reaches_every_rank: ClassVar[bool] = True
+    """Whether the step's row all-gather reaches every rank whose collectives the step's passes
+    share (not so inside a torchft replica group, whose rows go over its column): a failure in
+    the passes of a step that runs no collective of its own before the row (an ordinary step)
+    then rides in the row, with no flag after the passes."""
     reduces_every_pass: ClassVar[bool] = False
     """Whether each backward reduces its gradient (sharded accumulation) instead of accumulating
     locally until the step's last pass; a ``LossSum`` division over several passes then happens in

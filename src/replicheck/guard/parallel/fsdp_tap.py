@@ -183,10 +183,11 @@ class GradTap(GradStats):
             return None
         if self.pre_scale != 1.0:
             buffer.mul_(self.pre_scale)
-        self._local_sq.append(sq_norm(buffer))
         if self.scatter is not None and supported(op):
-            self.scatter.reduce(output, buffer, group, op)  # synchronous, as FSDP2 calls it
+            # Synchronous, as FSDP2 calls it; the input's sketch gives the local norm (one read).
+            self._local_sq.append(self.scatter.reduce(output, buffer, group, op))
             return None
+        self._local_sq.append(sq_norm(buffer))
         work: dist.Work | None = dist.reduce_scatter_single(
             output, buffer, op=op, group=group, async_op=async_op
         )

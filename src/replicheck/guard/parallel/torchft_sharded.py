@@ -82,6 +82,7 @@ class TorchftSharded(Sharded):
     """
 
     kind = "torchft-fsdp2"
+    row_reaches_every_rank = False  # rows go over the column; flags over the whole job
 
     def __init__(self, manager: Any, pg: Any, model: torch.nn.Module) -> None:
         if not isinstance(model, FSDPModule):

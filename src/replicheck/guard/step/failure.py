@@ -4,9 +4,9 @@ A failed rank keeps the step's shape (the same forwards, so the collectives DDP 
 forward) but runs no backward of its own. Under DDP it joins the synchronising backward's
 all-reduces with zeros and reports its failure in the step's row; under FSDP2 every rank shares a
 flag after each forward and all skip the rest of the passes (:mod:`replicheck.guard.step.flags`).
-At the step's row all-gather (DDP) or after the passes (FSDP2) the failed rank re-raises its error
-and the others raise :class:`PeerFailed`; none waits in a collective until the process group's
-timeout.
+At the step's row all-gather (DDP, and FSDP2 on an ordinary step) or after the passes (FSDP2 on a
+step whose replays follow) the failed rank re-raises its error and the others raise
+:class:`PeerFailed`; none waits in a collective until the process group's timeout.
 """
 
 from __future__ import annotations
@@ -114,10 +114,16 @@ class StepFailure:
             raise mine
         raise PeerFailed(s, ranks)
 
-    def stop_after_passes(self, s: int) -> None:
+    def stop_after_passes(self, s: int, *, collectives_follow: bool) -> None:
         """Collective passes (FSDP2): every rank has shared a flag per forward; one more for what
-        came after (a reduced-gradient hook's error), and a failure anywhere ends the step here,
-        before the replays (collectives too). Under DDP failures travel in the step's row."""
-        if self._par.passes_are_collective:
+        came after (a backward's or a reduced-gradient hook's error), and a failure anywhere ends
+        the step here, before the replays (collectives too). Under DDP, and under FSDP2 on a step
+        whose next collectives every rank runs whatever failed (``collectives_follow`` false: an
+        ordinary step, whose reduce-scatter verdict and row come next), failures travel in the
+        step's row: one host barrier fewer a step."""
+        if not self._par.passes_are_collective:
+            return
+        if collectives_follow or not self._par.row_reaches_every_rank:
             self.flags.share(self.failed)
-            self.stop(s, self.flags.ranks())
+        # A failed forward's flag was seen by every rank alike: all stop here, symmetrically.
+        self.stop(s, self.flags.ranks())

@@ -198,7 +198,9 @@ class StepPasses:
         self._par.set_reduction_scale(1.0)
         if self._health.errors:
             self._fail.note(self._health.errors[0])
-        self._fail.stop_after_passes(s)
+        # A verification step's ring exchange and replays are collectives a failed rank would
+        # skip: every rank must stop before them. An ordinary step's failure rides in its row.
+        self._fail.stop_after_passes(s, collectives_follow=own is not None)
         if self._fail.failed:
             # Under DDP a failed rank goes on to the step's row, which stops every rank.
             return Backward(loss=torch.zeros((), dtype=torch.float64, device=self._par.device), passes=[])
