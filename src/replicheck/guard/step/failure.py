@@ -116,7 +116,7 @@ class StepFailure:
 
     def stop_after_passes(self, s: int, *, collectives_follow: bool) -> None:
         """Collective passes (FSDP2): every rank has shared a flag per forward; one more for what
-        came after (a backward's or a reduced-gradient hook's error), and a failure anywhere ends
+        came after (a reduced-gradient hook's error), and a failure anywhere ends
         the step here, before the replays (collectives too). Under DDP, and under FSDP2 on a step
         whose next collectives every rank runs whatever failed (``collectives_follow`` false: an
         ordinary step, whose reduce-scatter verdict and row come next), failures travel in the

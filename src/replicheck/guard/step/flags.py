@@ -12,9 +12,9 @@ collective its failed peer never joins.
   whether any failed — one 8-byte all-reduce on the communication device
   (:meth:`~replicheck.guard.transport.comm.Comm.flagged`), the same cost at any world size — and
   then every rank skips the rest of the step's passes. An error after the last forward (in a
-  backward's tensor hook or a reduced-gradient hook) rides in the step's row on an ordinary step,
-  whose reduce-scatter verdict and row every rank runs whatever failed; only a verification step,
-  whose ring exchange and replays a failed rank would skip, shares one more flag after the passes.
+  reduced-gradient hook) rides in the step's row on an ordinary step, whose reduce-scatter
+  verdict and row every rank runs whatever failed; only a verification step, whose ring exchange
+  and replays a failed rank would skip, shares one more flag after the passes.
 """
 
 from __future__ import annotations

@@ -202,7 +202,8 @@ class StepPasses:
         # skip: every rank must stop before them. An ordinary step's failure rides in its row.
         self._fail.stop_after_passes(s, collectives_follow=own is not None)
         if self._fail.failed:
-            # Under DDP a failed rank goes on to the step's row, which stops every rank.
+            # Under DDP, and FSDP2 on an ordinary step, a failed rank goes on to the step's row,
+            # which stops every rank.
             return Backward(loss=torch.zeros((), dtype=torch.float64, device=self._par.device), passes=[])
         if self._loss_sum:
             passes = [dataclasses.replace(p, weight=scale) for p in passes]
