@@ -59,7 +59,7 @@ def test_reduce_dispatches_the_same_operations_at_every_world_size(
             check.reduce(output, buffer, dist.group.WORLD, dist.ReduceOp.AVG)
         counts.append(ops.count)
     assert counts[0] == counts[1] == counts[2], counts
-    assert counts[0] <= 80, counts  # views and dtype conversions included
+    assert counts[0] <= 96, counts  # views, transposes and dtype conversions included
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

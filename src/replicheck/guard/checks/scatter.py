@@ -251,6 +251,11 @@ def _project(x: torch.Tensor, signs: torch.Tensor, compute: torch.dtype) -> torc
             return torch.bmm(x, signs.expand(x.shape[0], *signs.shape), out_dtype=compute)
         except (RuntimeError, TypeError):
             _NO_OUT_DTYPE.add(x.device)
+    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64):
+        # On the CPU, signsᵀ · xᵀ (the blocks as the product's long dimension, the k × block
+        # signs contiguous) runs about twice as fast as x · signs, a product with k = 2 columns,
+        # and reads the view in place; bfloat16's CPU kernel is faster the other way round.
+        return torch.matmul(signs.t().contiguous(), x.transpose(1, 2)).transpose(1, 2)
     out = x @ signs
     return out if out.dtype == compute else out.to(compute)
 
