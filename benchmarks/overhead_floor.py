@@ -56,23 +56,27 @@ _all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 LOOPS = ("replay", "hook + row", "replay + reads", "guard")
 
 
-def _scale_hook(state: list[torch.Tensor], bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """What DDP does without a hook, as a hook: divide by the world size, all-reduce a sum."""
+Seen = dict[str, list[torch.Tensor]]
+"""What a hook saw in one step: ``{"norms": [...], "digests": [...]}``, one entry per bucket."""
+
+
+def _scale_hook(state: Seen, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """What DDP does without a hook, as a hook: multiply by 1/world, all-reduce a sum."""
     buf = bucket.buffer()
     buf.mul_(1.0 / dist.get_world_size())
     return dist.all_reduce(buf, async_op=True).get_future().then(lambda f: f.value()[0])
 
 
-def _reads_hook(state: list[torch.Tensor], bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+def _reads_hook(state: Seen, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
     """The per-step reads of a gradient check, nothing else: norm, scale, all-reduce, one read."""
     buf = bucket.buffer()
-    state.append(sq_norm(buf))
+    state["norms"].append(sq_norm(buf))
     buf.mul_(1.0 / dist.get_world_size())
     fut: torch.futures.Future[list[torch.Tensor]] = dist.all_reduce(buf, async_op=True).get_future()
 
     def after(f: "torch.futures.Future[list[torch.Tensor]]") -> torch.Tensor:
         out = f.value()[0]
-        state.append(fp.row_digest(out))
+        state["digests"].append(fp.row_digest(out))
         return out
 
     return fut.then(after)
@@ -89,7 +93,7 @@ def _bench(ctx: RankContext, opts: dict[str, Any]) -> dict[str, Any]:
     def hand_written(*, replay: bool, hook: Any, row_sync: bool) -> Callable[[int], None]:
         ddp, opt = make()
         params = list(ddp.module.parameters())
-        seen: list[torch.Tensor] = []
+        seen: Seen = {"norms": [], "digests": []}
         if hook is not None:
             ddp.register_comm_hook(seen, hook)
         row = torch.zeros(ROW_BYTES // 8, dtype=torch.int64)
@@ -109,10 +113,15 @@ def _bench(ctx: RankContext, opts: dict[str, Any]) -> dict[str, Any]:
             else:
                 lm_loss(ddp, b).backward()
             if row_sync:
-                row[0] = torch.stack(seen[::2]).sum().to(torch.int64) if seen else 0
+                # What the guard's row carries (the local norm, the reduced digests combined), as
+                # one cheap stand-in each: the cost is the gather and its host transfer.
+                if seen["norms"]:
+                    row[0] = torch.stack(seen["norms"]).sum().sqrt().view(torch.int64)
+                    row[1] = torch.stack(seen["digests"]).sum()
                 _all_gather(rows, row)
                 rows.tolist()
-                seen.clear()
+                seen["norms"].clear()
+                seen["digests"].clear()
             opt.step()
 
         return step
