@@ -11,12 +11,12 @@ against the plain DDP loop, on the model and batch of ``benchmarks/overhead.py``
    is recomputed with ``torch.autograd.grad`` on the bare module (the replay of a peer's probe).
    No fingerprint, no exchange, no check.
 2. ``hook + row``: no check at all, only the shape of one: a DDP communication hook that does
-   what DDP does without a hook (the division by the world size, then the all-reduce) and, after
+   what DDP does without a hook (the scaling by 1/world, then the all-reduce) and, after
    the backward, the all-gather of a 72-byte row and its host transfer (the one synchronisation
    that lets every rank stop a step before its update).
 3. ``replay + reads``: 1, plus on every step the reads a check of each rank's gradient before the
    reduction and of the reduced gradient after it cannot skip (the local squared norm, the
-   division as the hook's own pass, one streaming read of the reduced gradient), plus the row.
+   scaling as the hook's own pass, one streaming read of the reduced gradient), plus the row.
 4. ``guard``: the guard at the published schedule (the ``make bench`` loop).
 
 Loops 1-3 are lower bounds on this machine (one read of each buffer per check, nothing fused, no
@@ -168,7 +168,7 @@ def _bench(ctx: RankContext, opts: dict[str, Any]) -> dict[str, Any]:
 
 
 def markdown(result: dict[str, Any]) -> str:
-    """The table of the three loops against the plain loop."""
+    """The table of the four loops against the plain loop."""
     lines = [
         "| loop | total / plain | plain step | extra per ordinary step | extra per verification step |",
         "|---|---|---|---|---|",
